@@ -227,7 +227,7 @@ def _plan_shards(specs: Sequence[TensorSpec], dtype: np.dtype, max_shard_bytes: 
 
 
 def _write_and_hash(f, h, buf: np.ndarray) -> None:
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format: write raw bytes
     f.write(mv)
     h.update(mv)
 

