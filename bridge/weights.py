@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -202,15 +203,30 @@ def load_params(
     return out
 
 
-def _host_value(x) -> np.ndarray:
-    """The whole array on this host (a collective gather when it spans several processes)."""
+@functools.lru_cache(maxsize=None)
+def _hf_layout_fn(perm: tuple[int, ...], hf_shape: tuple[int, ...], dtype: np.dtype):
+    """A jitted JAX layout -> HF layout + cast, run where the shards live (compiled once per shape)."""
     import jax
 
-    if getattr(x, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(x))
+    inverse = tuple(int(i) for i in np.argsort(perm))
+    return jax.jit(lambda x: x.transpose(inverse).reshape(hf_shape).astype(dtype))
+
+
+def _hf_host_value(x, spec: TensorSpec, dtype: np.dtype) -> np.ndarray:
+    """The tensor in HF layout and export dtype, whole on this host.
+
+    Transpose and cast run on the devices, shard by shard and in parallel, so the host only gathers bytes
+    already in the export dtype (half of float32's for bf16). An array spanning several processes is
+    gathered collectively.
+    """
+    import jax
+
+    y = _hf_layout_fn(spec.perm, spec.hf_shape, np.dtype(dtype))(x)
+    if getattr(y, "is_fully_addressable", True):
+        return np.asarray(jax.device_get(y))
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(multihost_utils.process_allgather(y, tiled=True))
 
 
 def _plan_shards(specs: Sequence[TensorSpec], dtype: np.dtype, max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -226,10 +242,8 @@ def _plan_shards(specs: Sequence[TensorSpec], dtype: np.dtype, max_shard_bytes: 
     return shards
 
 
-def _write_and_hash(f, h, buf: np.ndarray) -> None:
-    mv = memoryview(buf.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format: write raw bytes
-    f.write(mv)
-    h.update(mv)
+def _raw_bytes(buf: np.ndarray) -> memoryview:
+    return memoryview(buf.reshape(-1).view(np.uint8))  # bf16 has no buffer-protocol format: use raw bytes
 
 
 def _copy_side_files(source_dir: Path | None, dest: Path, dtype_name: str, hf_config: dict | None) -> None:
@@ -296,29 +310,35 @@ def export_params(
         tmp.mkdir()
     files, weight_map, total = [], {}, 0
     try:
-        with cf.ThreadPoolExecutor(1) as pool:
+        # two helper threads, one writing and one hashing the same buffers, while this thread prepares the
+        # next tensor; at most two tensors are in flight
+        with cf.ThreadPoolExecutor(1) as write_pool, cf.ThreadPoolExecutor(1) as hash_pool:
             for name, shard in zip(names, shards):
                 planned = [PlannedTensor(s.hf_name, np_dtype, s.hf_shape) for s in shard]
                 f = open(tmp / name, "wb") if writer else None
                 h = hashlib.sha256()
-                pending: list[cf.Future] = []
+                pending: list[tuple[cf.Future, cf.Future]] = []
+
+                def submit(buf: np.ndarray) -> None:
+                    while len(pending) >= 2:
+                        for fut in pending.pop(0):
+                            fut.result()
+                    mv = _raw_bytes(buf)
+                    pending.append((write_pool.submit(f.write, mv), hash_pool.submit(h.update, mv)))
+
                 if writer:
-                    header = encode_header(planned, {"format": "pt"})
-                    pending.append(pool.submit(_write_and_hash, f, h, np.frombuffer(header, np.uint8)))
+                    submit(np.frombuffer(encode_header(planned, {"format": "pt"}), np.uint8))
                 for spec in shard:
-                    host = _host_value(arrays[spec.path])
-                    if not writer:
-                        continue
-                    buf = np.ascontiguousarray(spec.to_hf(host), dtype=np_dtype)
-                    del host
-                    while len(pending) >= 2:  # bound memory: at most two tensors in flight
-                        pending.pop(0).result()
-                    pending.append(pool.submit(_write_and_hash, f, h, buf))
-                    weight_map[spec.hf_name] = name
-                    total += buf.nbytes
+                    buf = _hf_host_value(arrays[spec.path], spec, np_dtype)
+                    if writer:
+                        submit(buf)
+                        weight_map[spec.hf_name] = name
+                        total += buf.nbytes
+                    del buf
                 if writer:
-                    for fut in pending:
-                        fut.result()
+                    for futs in pending:
+                        for fut in futs:
+                            fut.result()
                     if fsync:
                         f.flush()
                         os.fsync(f.fileno())

