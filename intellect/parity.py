@@ -17,7 +17,9 @@ that export instead of the original: the full HF -> JAX -> HF round trip in one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -157,13 +159,29 @@ def run(args: argparse.Namespace) -> int:
     if unknown or len(engines) < 2:
         print(f"parity: --engines needs two or more of {', '.join(ENGINES)}; got {args.engines!r}", file=sys.stderr)
         return 2
-    report = check_parity(args.model_dir, engines, args.dtype, args.sequences, args.seq_len, args.seed,
-                          args.export_dir, args.tol_logits, args.tol_logprobs)
+    with _stdout_to_stderr():  # engines log to stdout; keep it for the report (`--json` must parse)
+        report = check_parity(args.model_dir, engines, args.dtype, args.sequences, args.seq_len, args.seed,
+                              args.export_dir, args.tol_logits, args.tol_logprobs)
     if args.json:
         print(report.to_json())
     else:
         _print_table(report)
     return 0 if report.ok else 1
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Point file descriptor 1 at stderr (logging handlers keep the original stream object, so swapping
+    `sys.stdout` alone would not catch them)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _print_table(report: ParityReport) -> None:
