@@ -114,36 +114,37 @@ def _load(model_dir, **kw):
     return load_hf(model_dir, mesh=make_mesh(fsdp=8), **kw)
 
 
-def test_missing_tensor_is_named_with_its_shape(export_copy):
-    st = export_copy / "model.safetensors"
-    tensors = st_load_numpy(st)
-    del tensors["model.layers.1.mlp.up_proj.weight"]
+def _drop(name):
+    def edit(tensors):
+        del tensors[name]
+    return edit
+
+
+def _set(name, value):
+    def edit(tensors):
+        tensors[name] = value
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_drop("model.layers.1.mlp.up_proj.weight"),
+         r"model\.layers\.1\.mlp\.up_proj\.weight' is missing \(expected shape \[\d+, 128\]\)"),
+        (_set("model.norm.weight", np.ones(96, np.float32)), r"'model\.norm\.weight' has shape \[96\], expected \[128\]"),
+        (_set("model.layers.0.mlp.extra.weight", np.ones(3, np.float32)),
+         r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight"),
+    ],
+    ids=["missing", "misshaped", "unexpected"],
+)
+def test_tensor_problems_are_named(export_copy, edit, message):
     from safetensors.numpy import save_file
 
-    save_file(tensors, st, metadata={"format": "pt"})
-    with pytest.raises(WeightsError, match=r"model\.layers\.1\.mlp\.up_proj\.weight' is missing \(expected shape \[\d+, 128\]\)"):
-        _load(export_copy)
-
-
-def test_misshaped_tensor_names_both_shapes(export_copy):
-    from safetensors.numpy import save_file
-
     st = export_copy / "model.safetensors"
     tensors = st_load_numpy(st)
-    tensors["model.norm.weight"] = np.ones(96, np.float32)
+    edit(tensors)
     save_file(tensors, st, metadata={"format": "pt"})
-    with pytest.raises(WeightsError, match=r"'model\.norm\.weight' has shape \[96\], expected \[128\]"):
-        _load(export_copy)
-
-
-def test_unexpected_tensor_is_an_error(export_copy):
-    from safetensors.numpy import save_file
-
-    st = export_copy / "model.safetensors"
-    tensors = st_load_numpy(st)
-    tensors["model.layers.0.mlp.extra.weight"] = np.ones(3, np.float32)
-    save_file(tensors, st, metadata={"format": "pt"})
-    with pytest.raises(WeightsError, match=r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight"):
+    with pytest.raises(WeightsError, match=message):
         _load(export_copy)
 
 
