@@ -108,8 +108,8 @@ def param_shardings(abstract_state, mesh: Mesh):
     def one(var):
         axes = var.get_metadata().get("axes")
         if axes is None:
-            raise ValueError(f"parameter of shape {var.value.shape} has no logical `axes` metadata")
-        return named_sharding(mesh, axes, var.value.shape)
+            raise ValueError(f"parameter of shape {var.get_value().shape} has no logical `axes` metadata")
+        return named_sharding(mesh, axes, var.get_value().shape)
 
     return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -128,6 +128,6 @@ def describe_shardings(state) -> dict[str, str]:
 
     flat = {}
     for path, var in nnx.to_flat_state(state):
-        sharding = getattr(var.value, "sharding", None)
+        sharding = getattr(var.get_value(), "sharding", None)
         flat["/".join(map(str, path))] = str(getattr(sharding, "spec", sharding))
     return flat

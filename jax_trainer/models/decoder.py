@@ -76,6 +76,17 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         return_hidden: bool = False,
     ):
+        hidden = self.hidden_states(tokens, positions, segment_ids)
+        logits = constrain(_logits_f32(hidden, self.head()), ("batch", "length", "act_vocab"))
+        return (logits, hidden) if return_hidden else logits
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final-norm hidden states [batch, length, hidden] in the compute dtype (the LM head's input).
+
+        The GRPO loss starts here and applies `head()` chunk by chunk, so that [batch, length, vocab] float32
+        logits never exist at once.
+        """
         cfg, dt = self.cfg, self.compute_dtype
         b, s = tokens.shape
         if positions is None:
@@ -87,16 +98,16 @@ class Decoder(nnx.Module):
             mask = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
         cos, sin = rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim), dt)
 
-        x = jnp.take(self.embed.value, tokens, axis=0).astype(dt)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "length", "act_embed"))
         run = _run_layer_remat if self.remat else _run_layer
         for layer in self.layers:
             x = run(layer, x, cos, sin, mask)
-        hidden = self.final_norm(x)
-        head = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
-        logits = _logits_f32(hidden, head)
-        logits = constrain(logits, ("batch", "length", "act_vocab"))
-        return (logits, hidden) if return_hidden else logits
+        return self.final_norm(x)
+
+    def head(self) -> jax.Array:
+        """The LM head as an [hidden, vocab] matrix (the embedding, transposed, when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
 
 def _logits_f32(hidden: jax.Array, head: jax.Array) -> jax.Array:

@@ -95,7 +95,7 @@ def abstract_model(cfg: ModelConfig, param_dtype="float32", compute_dtype="float
 def _with_values(abstract: Decoder, values: dict) -> Decoder:
     graphdef, state = nnx.split(abstract)
     for path, var in nnx.to_flat_state(state):
-        var.value = values[tuple(path)]
+        var.set_value(values[tuple(path)])
     return nnx.merge(graphdef, state)
 
 
@@ -136,7 +136,7 @@ def init_random(cfg: ModelConfig, mesh: Mesh | None = None, param_dtype="float32
 
 
 def model_arrays(model: Decoder) -> dict[tuple, jax.Array]:
-    return {tuple(path): var.value for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 def export_hf(

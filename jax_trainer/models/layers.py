@@ -50,7 +50,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(x.dtype) * xf.astype(x.dtype)
+        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
@@ -110,13 +110,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        q = dense(x, self.q_proj.value, 1, dt)
-        k = dense(x, self.k_proj.value, 1, dt)
-        v = dense(x, self.v_proj.value, 1, dt)
+        q = dense(x, self.q_proj[...], 1, dt)
+        k = dense(x, self.k_proj[...], 1, dt)
+        v = dense(x, self.v_proj[...], 1, dt)
         if cfg.qkv_bias:
-            q = q + self.q_bias.value.astype(dt)
-            k = k + self.k_bias.value.astype(dt)
-            v = v + self.v_bias.value.astype(dt)
+            q = q + self.q_bias[...].astype(dt)
+            k = k + self.k_bias[...].astype(dt)
+            v = v + self.v_bias[...].astype(dt)
         q = constrain(q, ("batch", "length", "act_heads", None))
         k = constrain(k, ("batch", "length", "act_kv_heads", None))
         if cfg.qk_norm:
@@ -132,9 +132,9 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(dt)
         out = out.reshape(b, s, cfg.num_heads, cfg.head_dim)
-        out = dense(out, self.o_proj.value, 2, dt)
+        out = dense(out, self.o_proj[...], 2, dt)
         if cfg.o_bias:
-            out = out + self.o_bias.value.astype(dt)
+            out = out + self.o_bias[...].astype(dt)
         return out
 
 
@@ -155,13 +155,13 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = dense(x, self.gate_proj.value, 1, dt)
-        up = dense(x, self.up_proj.value, 1, dt)
+        gate = dense(x, self.gate_proj[...], 1, dt)
+        up = dense(x, self.up_proj[...], 1, dt)
         if self.bias:
-            gate = gate + self.gate_bias.value.astype(dt)
-            up = up + self.up_bias.value.astype(dt)
+            gate = gate + self.gate_bias[...].astype(dt)
+            up = up + self.up_bias[...].astype(dt)
         inner = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-        out = dense(inner, self.down_proj.value, 1, dt)
+        out = dense(inner, self.down_proj[...], 1, dt)
         if self.bias:
-            out = out + self.down_bias.value.astype(dt)
+            out = out + self.down_bias[...].astype(dt)
         return out

@@ -108,7 +108,7 @@ def test_fsdp4_tensor2_equals_unsharded(tiny_model):
     assert specs["layers/0/mlp/down_proj"] == "P('tensor', 'fsdp')"
     assert specs["embed"] == "P('tensor', 'fsdp')"
     # every device holds only its slice
-    q = model.layers[0].attn.q_proj.value
+    q = model.layers[0].attn.q_proj[...]
     assert {s.data.shape for s in q.addressable_shards} == {(q.shape[0] // 4, q.shape[1] // 2, q.shape[2])}
     with jax.set_mesh(mesh):
         out = nnx.jit(lambda m, t: m(t))(model, tokens)

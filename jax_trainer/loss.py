@@ -1,0 +1,157 @@
+"""The GRPO policy loss: token logprobs in chunks, clipped importance ratios, corrections and aggregation.
+
+Per completion token t of a sample with advantage A:
+
+    r_t   = pi_theta(t) / pi_old(t)                      pi_old: the learner's own logprob at the start of the
+                                                          step (INTELLECT-2) or the inference engine's
+    surr1 = A * (min(r_t, delta) if A < 0 else r_t)      two-sided clipping (INTELLECT-2): for A < 0 the ratio
+                                                          is capped at delta, so one token cannot blow up
+    surr2 = A * clip(r_t, 1 - eps_low, 1 + eps_high)     PPO clipping, separate low/high eps (DAPO clip-higher)
+    pg_t  = -min(surr1, surr2) * w_tis                   w_tis = min(pi_old / pi_infer, C), no gradient:
+                                                          truncated importance sampling against the engine
+    l_t   = pg_t + kl_coef * k3_t - entropy_coef * H_t   k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's
+                                                          unbiased, positive KL estimator); its gradient flows
+
+The batch loss is sum_t weight_t * l_t; `aggregation` names the weights (see `token_weights`).
+Logprobs come from `token_logprobs`, which applies the LM head chunk by chunk along the sequence under
+`jax.checkpoint`, so [batch, seq, vocab] float32 logits never exist, not in the forward and not in the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The loss's knobs; field names match the `[loss]` config section."""
+
+    eps_low: float = 0.2  # PPO clip below 1
+    eps_high: float = 0.2  # PPO clip above 1 (raise it for DAPO's clip-higher)
+    delta: float = 4.0  # ratio cap for negative advantages (INTELLECT-2's two-sided clipping)
+    aggregation: Aggregation = "token_mean"
+    constant_normalizer: float = 32768.0  # token budget for aggregation="constant"
+    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy (0: no reference model)
+    entropy_coef: float = 0.0  # entropy bonus
+    tis_cap: float | None = None  # truncated importance sampling cap C against inference logprobs (None: off)
+    temperature: float = 1.0  # sampling temperature of the workers; logits are divided by it
+    logprob_source: Literal["recompute", "inference"] = "recompute"  # where pi_old comes from
+
+    @classmethod
+    def from_config(cls, section) -> "LossSettings":
+        """From the `[loss]` config section (any object with these attributes)."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
+
+
+def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float):
+    """Logprob of `targets` and the entropy, for one [batch, chunk] slice; float32."""
+    z = jax.lax.dot_general(hidden, head.astype(hidden.dtype), (((2,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32) / temperature
+    lse = jax.nn.logsumexp(z, axis=-1)
+    target_z = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    probs = jnp.exp(z - lse[..., None])
+    entropy = lse - jnp.sum(probs * z, axis=-1)
+    return target_z - lse, entropy
+
+
+def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0,
+                   chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+    """log pi(targets[b, t] | hidden[b, t]) and the entropy at each position, both [batch, seq] float32.
+
+    The sequence is processed `chunk` positions at a time under `jax.checkpoint`: the backward pass recomputes
+    each chunk's logits instead of keeping [batch, seq, vocab] alive.
+    """
+    b, s, h = hidden.shape
+    chunk = min(chunk, s)
+    pad = -s % chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    n = (s + pad) // chunk
+    hs = hidden.reshape(b, n, chunk, h).swapaxes(0, 1)
+    ts = targets.reshape(b, n, chunk).swapaxes(0, 1)
+    body = jax.checkpoint(lambda x: _chunk_logprobs(x[0], head, x[1], temperature))
+    lp, ent = jax.lax.map(body, (hs, ts))
+    lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :s]
+    ent = ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :s]
+    return lp, ent
+
+
+def token_weights(mask: jax.Array, completion_lens: jax.Array, settings: LossSettings,
+                  total_tokens: jax.Array, total_samples: jax.Array) -> jax.Array:
+    """Per-token weights of the loss sum; the normaliser of each mode:
+
+    - token_mean:          1 / (completion tokens in the optimizer step's whole batch): every token counts
+                           the same, long samples weigh more (DAPO's token-level loss).
+    - seq_mean_token_mean: 1 / (samples in the step * the token's own completion length): mean over each
+                           sample's tokens, then mean over samples (the original GRPO; biased to short).
+    - constant:            1 / constant_normalizer, a fixed token budget (Dr. GRPO): no length bias at all.
+    """
+    if settings.aggregation == "token_mean":
+        return mask / jnp.maximum(total_tokens, 1.0)
+    if settings.aggregation == "seq_mean_token_mean":
+        return mask / (jnp.maximum(completion_lens, 1.0) * jnp.maximum(total_samples, 1.0))
+    if settings.aggregation == "constant":
+        return mask / settings.constant_normalizer
+    raise ValueError(f"loss.aggregation {settings.aggregation!r} is not one of token_mean, seq_mean_token_mean, constant")
+
+
+def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, weights: jax.Array,
+                mask: jax.Array, settings: LossSettings, *, inference_logprobs: jax.Array | None = None,
+                ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None):
+    """(loss, sums): the weighted loss of one micro-batch and token-summed statistics for the metrics.
+
+    All arrays are [batch, seq] and aligned (token t's logprob, advantage, weight). `sums` holds plain sums
+    over completion tokens (divide by `sums["tokens"]` for means), so micro-batches add up exactly.
+    """
+    old = jax.lax.stop_gradient(old_logprobs)
+    log_ratio = logprobs - old
+    ratio = jnp.exp(log_ratio)
+    neg = advantages < 0
+    surr1 = advantages * jnp.where(neg, jnp.minimum(ratio, settings.delta), ratio)
+    surr2 = advantages * jnp.clip(ratio, 1.0 - settings.eps_low, 1.0 + settings.eps_high)
+    per_token = -jnp.minimum(surr1, surr2)
+    if settings.tis_cap is not None:
+        if inference_logprobs is None:
+            raise ValueError("loss.tis_cap is set but no inference logprobs were given")
+        per_token = per_token * jax.lax.stop_gradient(jnp.minimum(jnp.exp(old - inference_logprobs), settings.tis_cap))
+    pg = jnp.sum(weights * per_token)
+    total = pg
+    kl_sum = jnp.zeros((), jnp.float32)
+    if settings.kl_coef:
+        if ref_logprobs is None:
+            raise ValueError("loss.kl_coef > 0 but no reference logprobs were given")
+        d = jax.lax.stop_gradient(ref_logprobs) - logprobs
+        k3 = jnp.exp(d) - d - 1.0
+        total = total + settings.kl_coef * jnp.sum(weights * k3)
+        kl_sum = jnp.sum(mask * k3)
+    ent_sum = jnp.zeros((), jnp.float32)
+    if entropy is not None:
+        ent_sum = jnp.sum(mask * jax.lax.stop_gradient(entropy))
+        if settings.entropy_coef:
+            total = total - settings.entropy_coef * jnp.sum(weights * entropy)
+
+    pos = advantages > 0
+    masked_ratio = jnp.where(mask > 0, ratio, 0.0)
+    sums = {
+        "tokens": jnp.sum(mask),
+        "pg_loss": pg,
+        "kl_ref_sum": kl_sum,
+        "entropy_sum": ent_sum,
+        "clip_low_sum": jnp.sum(mask * (neg & (ratio < 1.0 - settings.eps_low))),
+        "clip_high_sum": jnp.sum(mask * (pos & (ratio > 1.0 + settings.eps_high))),
+        "clip_delta_sum": jnp.sum(mask * (neg & (ratio > settings.delta))),
+        "ratio_sum": jnp.sum(masked_ratio),
+        "ratio_max": jnp.max(masked_ratio),
+    }
+    if inference_logprobs is not None:
+        # k3 estimate of KL(inference || trainer) on the engine's own samples: the trainer/engine mismatch
+        d = jax.lax.stop_gradient(old - inference_logprobs)
+        sums["mismatch_kl_sum"] = jnp.sum(mask * (jnp.exp(d) - d - 1.0))
+    return total, sums

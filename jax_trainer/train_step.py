@@ -1,0 +1,211 @@
+"""The jitted GRPO step: one pure function `(state, batch) -> (state, metrics)`.
+
+`batch` holds the `PackedBatch` arrays, shape [micro_batches, rows, seq_len] (see `jax_trainer/packing.py`).
+Inside one compiled function:
+
+1. pi_old: the learner's logprobs of the batch under the current parameters, computed once before any update
+   (INTELLECT-2: with several optimizer steps per batch, the ratio then measures how far those steps moved),
+   or the inference engine's logprobs (`logprob_source = "inference"`, which saves a forward pass).
+   Reference-policy logprobs the same way when `kl_coef > 0`.
+2. The micro-batches are split into `steps_per_batch` equal groups (INTELLECT-2's `step_per_rollout`); for each
+   group, gradients are accumulated over its micro-batches (`lax.scan`), clipped by global norm, and AdamW
+   applies them. A non-finite loss or gradient norm skips that update (parameters and optimizer state stay as
+   they were) and is counted in `state.skipped`; nothing non-finite is ever written into the weights.
+
+Shardings: parameters and optimizer state keep the layout of the logical-axis rules; the batch is split
+over `data` x `fsdp` along its rows. The state is donated, so the step updates it in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_trainer.loss import LossSettings, policy_loss, token_logprobs, token_weights
+from jax_trainer.optim import OptimSettings, make_optimizer
+from jax_trainer.packing import PackedBatch
+from jax_trainer.sharding import logical_to_spec
+
+BATCH_KEYS = PackedBatch.ARRAYS
+
+
+@struct.dataclass
+class TrainState:
+    params: Any  # nnx.State of the model's parameters
+    opt_state: Any
+    step: jax.Array  # optimizer steps applied (= the policy version these parameters are)
+    skipped: jax.Array  # updates skipped because the loss or the gradient was not finite
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    steps_per_batch: int = 1  # optimizer steps per rollout batch (INTELLECT-2's step_per_rollout)
+    logprob_chunk: int = 128  # sequence positions per chunk of the chunked LM head
+
+
+def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Align with next-token prediction: logits at t score token t+1."""
+    return {
+        "targets": batch["tokens"][..., 1:],
+        "mask": batch["loss_mask"][..., 1:],
+        "advantages": batch["advantages"][..., 1:],
+        "inference_logprobs": batch["inference_logprobs"][..., 1:],
+        "completion_lens": batch["completion_lens"][..., 1:],
+    }
+
+
+class GRPOTrainer:
+    """Builds the optimizer, the initial state and the jitted step for one model and mesh."""
+
+    def __init__(self, model: nnx.Module, mesh: Mesh, loss: LossSettings, optim: OptimSettings,
+                 step: StepSettings = StepSettings(), reference: nnx.Module | None = None):
+        self.mesh = mesh
+        self.loss = loss
+        self.optim = optim
+        self.settings = step
+        self.tx = make_optimizer(optim)
+        self.graphdef, params = nnx.split(model)
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.ref_params = nnx.split(reference)[1] if reference is not None else None
+        if loss.kl_coef and self.ref_params is None:
+            raise ValueError("loss.kl_coef > 0 needs a reference model")
+        self._initial_params = params
+        self._step = None
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        params = self._initial_params
+        opt_shardings = self.opt_state_shardings(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))
+        return TrainState(params=params, opt_state=opt_state, step=step, skipped=skipped)
+
+    def opt_state_shardings(self, params):
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        abstract = jax.eval_shape(self.tx.init, params)
+        return optax.tree_map_params(self.tx, lambda _, s: s, abstract, self.param_shardings,
+                                     transform_non_params=lambda _: replicated)
+
+    def state_shardings(self, state: TrainState):
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def batch_sharding(self, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec((None, "batch", "length"), shape, self.mesh))
+
+    def device_batch(self, packed: PackedBatch) -> dict[str, jax.Array]:
+        """Host arrays -> device arrays split over the batch axes (each process supplies what it owns)."""
+        out = {}
+        for k, v in packed.arrays().items():
+            sharding = self.batch_sharding(v.shape)
+            out[k] = jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        return out
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def _logprobs(self, params, mb: dict[str, jax.Array]):
+        model = nnx.merge(self.graphdef, params)
+        hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
+        return token_logprobs(hidden, model.head(), mb["tokens"][:, 1:], self.loss.temperature,
+                              self.settings.logprob_chunk)
+
+    def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):
+        loss_cfg, k = self.loss, self.settings.steps_per_batch
+        shifted = _shift(batch)
+        m = batch["tokens"].shape[0]
+        if m % k:
+            raise ValueError(f"{m} micro-batches do not split into steps_per_batch={k} equal groups")
+        if loss_cfg.logprob_source == "recompute":
+            old = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(state.params, mb)[0]), batch)
+        else:
+            old = shifted["inference_logprobs"]
+        ref = None
+        if loss_cfg.kl_coef:
+            ref = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(ref_params, mb)[0]), batch)
+
+        def group(x):
+            return x.reshape((k, m // k) + x.shape[1:])
+
+        groups = jax.tree.map(group, {"batch": batch, "shifted": shifted, "old": old, "ref": ref})
+
+        def micro_loss(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples):
+            lp, ent = self._logprobs(params, mb)
+            w = token_weights(sh["mask"], sh["completion_lens"], loss_cfg, total_tokens, total_samples)
+            return policy_loss(lp, old_lp, sh["advantages"], w, sh["mask"], loss_cfg,
+                               inference_logprobs=sh["inference_logprobs"], ref_logprobs=ref_lp, entropy=ent)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def optimizer_step(carry, g):
+            params, opt_state, skipped = carry
+            total_tokens = jnp.sum(g["shifted"]["mask"])
+            total_samples = jnp.sum(g["shifted"]["mask"] / jnp.maximum(g["shifted"]["completion_lens"], 1.0))
+
+            def accumulate(acc, xs):
+                mb, sh, old_lp, ref_lp = xs
+                (loss, sums), grads = grad_fn(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples)
+                acc_loss, acc_sums, acc_grads = acc
+                merged = {key: (jnp.maximum if key == "ratio_max" else jnp.add)(acc_sums[key], v)
+                          for key, v in sums.items()}
+                return (acc_loss + loss, merged, jax.tree.map(jnp.add, acc_grads, grads)), None
+
+            zero_sums = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], (
+                g["batch"], g["shifted"], g["old"], g["ref"])), total_tokens, total_samples)[0][1])
+            init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_sums),
+                    jax.tree.map(jnp.zeros_like, params))
+            (loss, sums, grads), _ = jax.lax.scan(accumulate, init, (g["batch"], g["shifted"], g["old"], g["ref"]))
+
+            grad_norm = optax.global_norm(grads)
+            scale = jnp.minimum(1.0, self.optim.grad_clip / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda x: x * scale.astype(x.dtype), grads)
+            updates, new_opt = self.tx.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params = jax.tree.map(lambda new, old_: jnp.where(ok, new, old_), new_params, params)
+            opt_state = jax.tree.map(lambda new, old_: jnp.where(ok, new, old_), new_opt, opt_state)
+            metrics = {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": grad_norm * scale,
+                       "skipped": (~ok).astype(jnp.int32), **sums}
+            return (params, opt_state, skipped + (~ok).astype(jnp.int32)), metrics
+
+        (params, opt_state, skipped), per_step = jax.lax.scan(
+            optimizer_step, (state.params, state.opt_state, state.skipped), groups)
+        metrics = _summarise(per_step)
+        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + k, skipped=skipped)
+        return new_state, metrics
+
+    def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        if self._step is None:
+            shardings = self.state_shardings(state)
+            batch_sh = {key: v.sharding for key, v in batch.items()}
+            ref_sh = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
+            self._step = jax.jit(self._step_fn, in_shardings=(shardings, batch_sh, ref_sh),
+                                 out_shardings=(shardings, None), donate_argnums=(0,))
+        return self._step(state, batch, self.ref_params)
+
+
+def _summarise(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-optimizer-step sums -> batch-level metrics (means over completion tokens, last grad norm...)."""
+    tokens = jnp.maximum(jnp.sum(per_step["tokens"]), 1.0)
+    out = {
+        "loss": jnp.mean(per_step["loss"]),
+        "pg_loss": jnp.mean(per_step["pg_loss"]),
+        "grad_norm": per_step["grad_norm"][-1],
+        "grad_norm_clipped": per_step["grad_norm_clipped"][-1],
+        "skipped": jnp.sum(per_step["skipped"]),
+        "tokens": jnp.sum(per_step["tokens"]),
+        "entropy": jnp.sum(per_step["entropy_sum"]) / tokens,
+        "kl_ref": jnp.sum(per_step["kl_ref_sum"]) / tokens,
+        "clip_low_frac": jnp.sum(per_step["clip_low_sum"]) / tokens,
+        "clip_high_frac": jnp.sum(per_step["clip_high_sum"]) / tokens,
+        "clip_delta_frac": jnp.sum(per_step["clip_delta_sum"]) / tokens,
+        "ratio_mean": jnp.sum(per_step["ratio_sum"]) / tokens,
+        "ratio_max": jnp.max(per_step["ratio_max"]),
+    }
+    if "mismatch_kl_sum" in per_step:
+        out["mismatch_kl"] = jnp.sum(per_step["mismatch_kl_sum"]) / tokens
+    return out
