@@ -80,7 +80,21 @@ class TrainerConfig(Section):
     batch_size: int = Field(512, gt=0)
     """Samples per optimizer step; must equal data.prompts_per_step x data.samples_per_prompt."""
     micro_batch_size: int = Field(16, gt=0)
-    """Samples per gradient-accumulation micro step across the whole mesh; divides batch_size."""
+    """Packed rows of model.max_seq_len tokens per gradient-accumulation micro-batch, across the whole mesh."""
+    steps_per_batch: int = Field(1, gt=0)
+    """Optimizer steps taken on each rollout batch (INTELLECT-2's step_per_rollout); splits its micro-batches."""
+    truncate: bool = False
+    """Cut samples longer than model.max_seq_len instead of refusing them (an error names the sample)."""
+    logprob_chunk: int = Field(128, gt=0)
+    """Sequence positions per chunk of the LM head in the loss (bounds the float32 logits held at once)."""
+    coordinator_address: str | None = None
+    """host:port of process 0 for multi-host jax.distributed (None: single process, or TPU auto-detection)."""
+    num_processes: int | None = Field(None, gt=0)
+    """Processes in a multi-host learner (None: auto-detect on TPU, else 1)."""
+    process_id: int | None = Field(None, ge=0)
+    """This process's index in a multi-host learner (None: auto-detect)."""
+    batch_timeout_s: float = Field(600.0, gt=0)
+    """Longest wait for a step's rollouts before the learner gives up with an error."""
     steps: int = Field(1000, gt=0)
     """Optimizer steps to train for; the final policy is version `steps`."""
     async_level: int = Field(2, ge=0)
@@ -104,9 +118,6 @@ class TrainerConfig(Section):
                      f"trainer.{name} = {size}: a mesh axis size is a positive integer or -1 (fill)")
         _require(list(axes.values()).count(-1) <= 1, tuple(f"trainer.{a}" for a in axes),
                  "at most one of trainer.data, trainer.fsdp, trainer.tensor may be -1 (fill)")
-        _require(self.batch_size % self.micro_batch_size == 0, ("trainer.batch_size", "trainer.micro_batch_size"),
-                 f"trainer.micro_batch_size ({self.micro_batch_size}) must divide "
-                 f"trainer.batch_size ({self.batch_size})")
         return self
 
 
@@ -223,6 +234,30 @@ class OrchestratorConfig(Section):
     """Largest request body accepted, in bytes."""
     allow_cpu_nodes: bool = False
     """Admit workers and validators without a GPU (demos and tests)."""
+    min_gpus: int = Field(1, ge=0)
+    """GPUs a node must report to be admitted (unless it is CPU-only and allow_cpu_nodes is set)."""
+    min_gpu_memory_gib: float = Field(0.0, ge=0)
+    """Memory each reported GPU must have, in GiB."""
+    challenge_size: int = Field(0, ge=0, le=4096)
+    """Side of the random matrices of the registration compute challenge (0: no challenge)."""
+    challenge_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a node has to answer the compute challenge."""
+    max_inflight_per_node: int = Field(1, gt=0)
+    """Open assignments (given out, no batch announced yet) one worker may hold at once."""
+    num_tasks: int | None = Field(None, gt=0)
+    """Prompts in the task's dataset, to list each assignment's task ids (None: workers draw them themselves)."""
+    claim_lease_s: float = Field(600.0, gt=0)
+    """Seconds a validator's claim on a batch lasts before another validator may take the batch."""
+    ban_after_rejections: int = Field(3, ge=0)
+    """Ban a worker automatically after this many rejected batches within rejection_window_s (0: never)."""
+    rejection_window_s: float = Field(3600.0, gt=0)
+    """Window in seconds over which rejected batches are counted for automatic bans."""
+    submit_rate_per_min: float = Field(60.0, gt=0)
+    """Batch announcements a node may make per minute on average (token bucket)."""
+    submit_burst: int = Field(10, gt=0)
+    """Batch announcements a node may make at once before the rate limit applies."""
+    max_clock_skew_s: float = Field(30.0, gt=0)
+    """Largest difference between a signed request's timestamp and the service's clock, in seconds."""
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:
@@ -246,6 +281,24 @@ class ShardcastConfig(Section):
     """Upstream servers a relay mirrors (empty: the origin at http://host:port)."""
     keep_versions: int = Field(3, gt=0)
     """Newest policy versions each server keeps; at least trainer.async_level + 1."""
+    parallel: int = Field(4, gt=0, le=64)
+    """Parallel downloads of one client or relay (parts of files, each from any server)."""
+    part_mib: int = Field(64, gt=0)
+    """Files are fetched in parts of this many MiB; a broken part resumes with Range from any server."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Seconds a peer may take to connect, answer, or move 1 MiB before the connection is dropped (both sides)."""
+    patience_s: float = Field(300.0, gt=0)
+    """Seconds a fetch keeps retrying without receiving a byte before it gives up."""
+    retire_grace_s: float = Field(60.0, ge=0)
+    """Seconds a relay keeps a version it no longer advertises after its last request, for clients mid-fetch."""
+    max_connections: int = Field(1024, gt=0)
+    """Connections a server accepts at once; more are closed immediately."""
+    max_connections_per_ip: int = Field(64, gt=0)
+    """Connections a server accepts at once from one client address."""
+    max_version_gib: float = Field(4096.0, gt=0)
+    """Largest version (sum of its files) a client or relay accepts, in GiB; a manifest claiming more is refused."""
+    fsync: bool = True
+    """Flush fetched files to disk before a version is marked STABLE."""
 
 
 class WorkerConfig(Section):

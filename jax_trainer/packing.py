@@ -95,8 +95,12 @@ def _check(sample: Sample, i: int, seq_len: int, truncate: bool) -> Sample:
 
 
 def pack(samples: Sequence[Sample], rows: int, seq_len: int, multiple_of: int = 1,
-         truncate: bool = False) -> PackedBatch:
-    """Pack `samples` into [m, rows, seq_len] arrays, m a multiple of `multiple_of` (see the module docstring)."""
+         truncate: bool = False, micro_batches: int | None = None) -> PackedBatch:
+    """Pack `samples` into [m, rows, seq_len] arrays, m a multiple of `multiple_of` (see the module docstring).
+
+    `micro_batches` fixes m (padding with empty rows), so that every step has the same shapes and the train
+    step compiles once; more samples than fit are an error.
+    """
     if not samples:
         raise PackingError("nothing to pack: no samples")
     samples = [_check(s, i, seq_len, truncate) for i, s in enumerate(samples)]
@@ -113,6 +117,11 @@ def pack(samples: Sequence[Sample], rows: int, seq_len: int, multiple_of: int = 
         free[row] -= n
         placement[row].append(i)
     micro = math.ceil(len(placement) / rows)
+    if micro_batches is not None:
+        if micro > micro_batches:
+            raise PackingError(f"{len(samples)} samples need {micro} micro-batches of {rows} x {seq_len} tokens, "
+                               f"more than the {micro_batches} configured")
+        micro = micro_batches
     micro = math.ceil(micro / multiple_of) * multiple_of
     shape = (micro * rows, seq_len)
     out = {

@@ -101,17 +101,21 @@ def named_sharding(mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int])
     return NamedSharding(mesh, logical_to_spec(axes, shape, mesh))
 
 
-def param_shardings(abstract_state, mesh: Mesh):
-    """NamedSharding for every nnx.Param of an (abstract) nnx.State, from its `axes` metadata."""
+def param_shardings(state, mesh: Mesh):
+    """The NamedSharding of every nnx.Param of an (abstract) nnx.State, from its `axes` metadata.
+
+    The result has the structure of `state` (each Variable now holds its sharding), so it can be zipped with
+    the parameters by `jax.tree.map` or passed as `out_shardings`.
+    """
     from flax import nnx
 
     def one(var):
         axes = var.get_metadata().get("axes")
         if axes is None:
             raise ValueError(f"parameter of shape {var.get_value().shape} has no logical `axes` metadata")
-        return named_sharding(mesh, axes, var.get_value().shape)
+        return var.replace(named_sharding(mesh, axes, var.get_value().shape))
 
-    return jax.tree.map(one, abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:

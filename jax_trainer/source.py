@@ -52,7 +52,7 @@ class Rollout:
 
 def build_step_batch(rollouts: Sequence[Rollout], step: int, *, rows: int, seq_len: int, multiple_of: int = 1,
                      advantage_mode: str = "std", drop_zero_groups: bool = True,
-                     truncate: bool = False) -> StepBatch | None:
+                     truncate: bool = False, micro_batches: int | None = None) -> StepBatch | None:
     """Advantages per group, online filtering, packing; None when every group was filtered out."""
     adv = group_advantages(np.array([r.reward for r in rollouts]), np.array([r.group for r in rollouts]),
                            advantage_mode, drop_zero_groups=drop_zero_groups)
@@ -69,7 +69,7 @@ def build_step_batch(rollouts: Sequence[Rollout], step: int, *, rows: int, seq_l
         return None
     staleness = [step - s.version for s in samples]
     stats.update(staleness_mean=float(np.mean(staleness)), staleness_max=float(max(staleness)))
-    return StepBatch(pack(samples, rows, seq_len, multiple_of, truncate), stats)
+    return StepBatch(pack(samples, rows, seq_len, multiple_of, truncate, micro_batches), stats)
 
 
 class InMemorySource:

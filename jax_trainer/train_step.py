@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax_trainer.loss import LossSettings, policy_loss, token_logprobs, token_weights
 from jax_trainer.optim import OptimSettings, make_optimizer
 from jax_trainer.packing import PackedBatch
-from jax_trainer.sharding import logical_to_spec
+from jax_trainer.sharding import logical_to_spec, param_shardings
 
 BATCH_KEYS = PackedBatch.ARRAYS
 
@@ -61,35 +61,49 @@ def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 
 class GRPOTrainer:
-    """Builds the optimizer, the initial state and the jitted step for one model and mesh."""
+    """Builds the optimizer, the (abstract) initial state and the jitted step for one model and mesh."""
 
     def __init__(self, model: nnx.Module, mesh: Mesh, loss: LossSettings, optim: OptimSettings,
                  step: StepSettings = StepSettings(), reference: nnx.Module | None = None):
+        """`model` may be abstract (`nnx.eval_shape`) when the state will come from a checkpoint."""
         self.mesh = mesh
         self.loss = loss
         self.optim = optim
         self.settings = step
         self.tx = make_optimizer(optim)
         self.graphdef, params = nnx.split(model)
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        self.param_shardings = param_shardings(params, mesh)
+        self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.ref_params = nnx.split(reference)[1] if reference is not None else None
         if loss.kl_coef and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
-        self._initial_params = params
         self._step = None
 
     # ---- state -------------------------------------------------------------------------------------------
-    def init_state(self) -> TrainState:
-        params = self._initial_params
-        opt_shardings = self.opt_state_shardings(params)
-        opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+    def init_state(self, params) -> TrainState:
+        """A fresh state (step 0, zero optimizer moments) around `params` (an nnx.State of arrays)."""
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_state_shardings())(params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))
         return TrainState(params=params, opt_state=opt_state, step=step, skipped=skipped)
 
-    def opt_state_shardings(self, params):
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of the state, without memory: the template a checkpoint restores into."""
+        abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                                       self._abstract_params, self.param_shardings)
+        opt = jax.eval_shape(self.tx.init, abstract_params)
+        opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt,
+                           self.opt_state_shardings())
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
+        return TrainState(params=abstract_params, opt_state=opt, step=scalar, skipped=scalar)
+
+    def model(self, params) -> nnx.Module:
+        """The model holding `params` (e.g. `state.params`, to export or evaluate it)."""
+        return nnx.merge(self.graphdef, params)
+
+    def opt_state_shardings(self):
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        abstract = jax.eval_shape(self.tx.init, params)
+        abstract = jax.eval_shape(self.tx.init, self._abstract_params)
         return optax.tree_map_params(self.tx, lambda _, s: s, abstract, self.param_shardings,
                                      transform_non_params=lambda _: replicated)
 

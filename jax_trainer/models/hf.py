@@ -111,8 +111,7 @@ def load_hf(
     cfg = ModelConfig.from_dir(model_dir)
     mesh = mesh if mesh is not None else make_mesh()
     abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
-    shardings = dict(nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh)))
-    shardings = {tuple(k): v for k, v in shardings.items()}
+    shardings = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh))}
     arrays = load_params(model_dir, tensor_specs(cfg), shardings, param_dtype, verify=verify,
                          ignore=_ignored_hf_tensor(cfg))
     return _with_values(abstract, arrays)

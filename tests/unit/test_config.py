@@ -192,7 +192,7 @@ def test_bad_choice_from_env():
     (["--trainer.fsdp", "0"], "trainer.fsdp"),
     (["--trainer.data", "-1"], "trainer.fsdp"),  # two axes set to fill
     (["--loss.delta", "1.1"], "loss.delta"),  # must exceed 1 + eps_high
-    (["--trainer.micro_batch_size", "100"], "trainer.micro_batch_size"),
+    (["--trainer.steps_per_batch", "0"], "trainer.steps_per_batch"),
     (["--data.solve_rate_min", "0.9"], "data.solve_rate_max"),
     (["--data.length_targets", "[0]"], "data.length_targets"),
     (["--orchestrator.dead_after_s", "5"], "orchestrator.dead_after_s"),

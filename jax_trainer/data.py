@@ -1,0 +1,370 @@
+"""The learner's input pipeline over the rollout store: accepted batches in, packed step batches out.
+
+`RolloutPipeline` is the production `BatchSource` (`jax_trainer/source.py`). Its input is the list of batches
+the validators accepted, behind the small `AcceptedBatches` interface: the orchestrator client
+(`GET /v1/batches?status=accepted&min_version=`, DESIGN section 8) implements it for a pool;
+`StoreListing` implements it over a store's own listing for tests and single-box runs.
+
+Structure, and why:
+
+    AcceptedStream (grain IterDataset) -> .map(load) -> ThreadPrefetchIterDataset      background thread
+        polls the listing, yields each     reads the batch through      holds up to `prefetch`
+        new accepted record once           RolloutStore.read (COMMIT,   loaded batches
+                                           validation, rewards check)
+    RolloutPipeline.next(step)                                                           learner's thread
+        takes loaded batches in order, skips those outside the async window (counted), gathers
+        `samples_per_step` samples, computes advantages from the validator's rewards, drops zero groups
+        and packs (`build_step_batch`).
+
+- The accepted list is a live, growing stream, not an indexable data set, so the source is an `IterDataset`
+  (a `MapDataset` needs a fixed length). Reading is I/O-bound and tensorstore already decodes an array's
+  chunks and a batch's arrays in parallel on its own threads, releasing the GIL, so one grain prefetch thread
+  keeps the learner fed; processes (`mp_prefetch`) would pickle every batch across a pipe and could not share a
+  `memory://` store.
+- Everything that depends on the step (the async window, advantages across the batches of one step, packing)
+  runs in `next(step)`, after prefetching, because the step is not known when a batch is read ahead.
+- The position is what the learner consumed, not what grain prefetched: `cursor()` holds the ids of consumed
+  batches (trained on, or skipped as stale, ahead or invalid) whose version is still listed; a restored
+  pipeline lists again, skips exactly those, and so yields what the uninterrupted one would have. A batch that
+  was read ahead but not consumed is read again after a restore. The listing is asked for versions
+  >= step - async_level - stale_lookback, so older ids cannot come back and are dropped from the cursor.
+- A batch is never silently lost: a stale one (step - version > async_level), one from a policy newer than the
+  step (a learner restored from an earlier checkpoint) and one that fails verification (`RolloutStoreError`,
+  after `read_retries` retries) are consumed, logged with the reason, and counted in the step's stats and in
+  the cursor's totals. The `stale_lookback` versions below the window are still listed so that batches
+  accepted too late (a validator lagging) are seen and counted; a batch accepted more than that many
+  versions late is not listed at all, and only the orchestrator can count it.
+- Rewards come from the accepted record (the validator's), never from the worker's `rewards` array, except in
+  the explicit single-box mode `StoreListing(trust_worker_rewards=True)`, whose records carry no rewards.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import grain
+import numpy as np
+
+from bridge.rollouts import RolloutBatch, RolloutStore, RolloutStoreError, batch_path
+from jax_trainer.source import Rollout, StepBatch, build_step_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptedBatch:
+    """A batch a validator accepted: where it is, what it hashes to, and the validator's rewards."""
+
+    batch_id: str
+    version: int
+    rewards: np.ndarray | None  # float32 [n], one per sample; None only in single-box trusted mode (see module)
+    sha256: str | None = None  # the COMMIT digest the validator checked; None: not pinned
+    store_url: str | None = None  # the store holding it; None: the pipeline's own store
+
+
+class AcceptedBatches(Protocol):
+    def accepted(self, min_version: int) -> Sequence[AcceptedBatch]:
+        """Accepted batches of version >= min_version, in acceptance order (new ones come after old ones)."""
+
+
+class StoreListing:
+    """Every committed batch of `store` counts as accepted: tests and single-box runs.
+
+    Rewards come from `rewards` (batch id -> per-sample rewards; batches without an entry are not accepted),
+    or, with `trust_worker_rewards=True`, from each batch's own `rewards` array: the worker's claim, acceptable
+    only when the workers are trusted (one box, one user). Records are ordered by version, then batch id.
+    """
+
+    def __init__(self, store: RolloutStore, *, rewards: Mapping[str, Sequence[float]] | None = None,
+                 trust_worker_rewards: bool = False):
+        if (rewards is None) == (not trust_worker_rewards):
+            raise ValueError("StoreListing: give validator rewards, or trust_worker_rewards=True (single box), "
+                             "not both and not neither")
+        self.store, self.rewards = store, rewards
+
+    def accepted(self, min_version: int) -> list[AcceptedBatch]:
+        refs = sorted(self.store.list(min_version), key=lambda r: (r.version, r.batch_id))
+        if self.rewards is None:
+            return [AcceptedBatch(r.batch_id, r.version, None) for r in refs]
+        return [AcceptedBatch(r.batch_id, r.version, np.asarray(self.rewards[r.batch_id], np.float32))
+                for r in refs if r.batch_id in self.rewards]
+
+
+@dataclasses.dataclass
+class _Loaded:
+    """A record after reading: the verified batch and the rewards to train on, or why it is unusable."""
+
+    record: AcceptedBatch
+    batch: RolloutBatch | None = None
+    rewards: np.ndarray | None = None
+    error: str | None = None
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (int(self.record.version), self.record.batch_id)
+
+    @property
+    def samples(self) -> int:
+        return 0 if self.batch is None else self.batch.num_samples
+
+
+class _AcceptedStream(grain.IterDataset):
+    """grain source: each new record of the accepted listing, once; `None` while the learner waits for data."""
+
+    def __init__(self, pipeline: RolloutPipeline):
+        super().__init__()
+        self._pipeline = pipeline
+
+    def __iter__(self) -> _AcceptedIterator:
+        return _AcceptedIterator(self._pipeline)
+
+
+class _AcceptedIterator(grain.DatasetIterator):
+    def __init__(self, pipeline: RolloutPipeline):
+        super().__init__()
+        self._p = pipeline
+        self._queue: collections.deque[AcceptedBatch] = collections.deque()
+        self._seen = set(pipeline._consumed)
+
+    def __next__(self) -> AcceptedBatch | None:
+        p = self._p
+        while not p._stop.is_set():
+            if not self._queue:
+                self._refill()
+            if self._queue:
+                return self._queue.popleft()
+            if p._waiting.is_set():
+                return None  # lets the learner's thread check its deadline
+            p._stop.wait(p.poll_interval)
+        raise StopIteration
+
+    def _refill(self) -> None:
+        floor = self._p._floor
+        try:
+            records = self._p.accepted.accepted(floor)
+        except Exception as e:  # the orchestrator may be briefly unreachable: keep polling, report it on timeout
+            self._p._listing_error = f"{type(e).__name__}: {e}"
+            log.warning("accepted-batch listing failed (will retry): %s", self._p._listing_error)
+            return
+        self._p._listing_error = None
+        self._seen = {k for k in self._seen if k[0] >= floor}
+        for record in records:
+            key = (int(record.version), record.batch_id)
+            if key not in self._seen:
+                self._seen.add(key)
+                self._queue.append(record)
+
+    def get_state(self) -> dict[str, Any]:
+        return {}  # the position is the pipeline's cursor (what was consumed), not what this thread listed
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError("the accepted-batch stream resumes from RolloutPipeline.restore, not grain state")
+
+
+class RolloutPipeline:
+    """`BatchSource` over the rollout store (module docstring).
+
+    samples_per_step: samples gathered per step (whole batches, so a step may hold a little more);
+    rows, seq_len, multiple_of, truncate: packing (`jax_trainer.packing.pack`); advantage_mode,
+    drop_zero_groups: `jax_trainer.advantages`; async_level: step n uses versions n - async_level .. n;
+    vocab_size: token ids are checked against it on read; prefetch: loaded batches held ahead;
+    stale_lookback: versions below the window still listed, to count late batches as stale (module docstring);
+    poll_interval: seconds between listings when nothing new is there; keep_versions: if set, delete store
+    versions older than step - keep_versions + 1 (>= async_level + 1); read_retries: extra read attempts
+    before a batch counts as invalid.
+    """
+
+    def __init__(self, store: RolloutStore, accepted: AcceptedBatches, *, samples_per_step: int, rows: int,
+                 seq_len: int, multiple_of: int = 1, advantage_mode: str = "std", drop_zero_groups: bool = True,
+                 truncate: bool = False, async_level: int = 2, vocab_size: int | None = None, prefetch: int = 4,
+                 stale_lookback: int = 2, poll_interval: float = 0.2, keep_versions: int | None = None,
+                 read_retries: int = 1):
+        if samples_per_step <= 0 or prefetch <= 0 or poll_interval <= 0 or min(async_level, stale_lookback,
+                                                                                read_retries) < 0:
+            raise ValueError("RolloutPipeline: samples_per_step, prefetch and poll_interval must be positive, "
+                             "async_level, stale_lookback and read_retries non-negative")
+        if keep_versions is not None and keep_versions < async_level + 1:
+            raise ValueError(f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
+                             f"({async_level + 1}), or rollouts still in the window would be deleted")
+        self.store, self.accepted = store, accepted
+        self.samples_per_step = samples_per_step
+        self.pack_args = dict(rows=rows, seq_len=seq_len, multiple_of=multiple_of, advantage_mode=advantage_mode,
+                              drop_zero_groups=drop_zero_groups, truncate=truncate)
+        self.async_level, self.vocab_size = async_level, vocab_size
+        self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
+        self.keep_versions, self.read_retries = keep_versions, read_retries
+        self._stores: dict[str, RolloutStore] = {}
+        self._consumed: set[tuple[int, str]] = set()
+        self._totals: collections.Counter[str] = collections.Counter()
+        self._floor = 0
+        self._pending: list[_Loaded] = []
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._iter: grain.DatasetIterator | None = None
+        self._stop, self._waiting = threading.Event(), threading.Event()
+        self._listing_error: str | None = None
+        self._pruned_before = 0
+
+    # ------------------------------------------------------------------ background side (grain thread)
+
+    def _store_for(self, url: str | None) -> RolloutStore:
+        if url is None or url == self.store.url:
+            return self.store
+        if url not in self._stores:
+            self._stores[url] = RolloutStore.open(url, context=self.store.context)
+        return self._stores[url]
+
+    def _load(self, record: AcceptedBatch | None) -> _Loaded | None:
+        if record is None:
+            return None
+        where = f"v{int(record.version):06d}/{record.batch_id}"
+        error = "not read"
+        for attempt in range(self.read_retries + 1):
+            try:
+                batch_path(record.version, record.batch_id)
+                batch = self._store_for(record.store_url).read(record.version, record.batch_id,
+                                                               vocab_size=self.vocab_size,
+                                                               expect_sha256=record.sha256)
+                break
+            except (RolloutStoreError, ValueError) as e:
+                error = str(e)
+                if attempt < self.read_retries:
+                    self._stop.wait(self.poll_interval)
+        else:
+            return _Loaded(record, error=error)
+        if record.rewards is None:
+            return _Loaded(record, batch, batch.rewards)
+        rewards = np.asarray(record.rewards, np.float32)
+        if rewards.shape != (batch.num_samples,) or not np.all(np.isfinite(rewards)):
+            return _Loaded(record, error=f"rollout batch {where}: validator rewards: shape {rewards.shape} for "
+                                         f"{batch.num_samples} samples, or non-finite values")
+        return _Loaded(record, batch, rewards)
+
+    def start(self, step: int) -> None:
+        """Begin listing and reading ahead for `step` (`next` calls it; call it early to overlap a compile)."""
+        self._set_floor(step)
+        if self._iter is None:
+            self._stop.clear()
+            dataset = grain.experimental.ThreadPrefetchIterDataset(
+                _AcceptedStream(self).map(self._load), prefetch_buffer_size=self.prefetch)
+            self._iter = iter(dataset)
+            self._iter.start_prefetch()
+
+    def close(self) -> None:
+        """Stop the background thread; loaded but unconsumed batches are dropped (not in the cursor)."""
+        self._stop.set()
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None
+        self._pending = []
+
+    def __enter__(self) -> RolloutPipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ learner side
+
+    def _set_floor(self, step: int) -> None:
+        """The lowest version listed (and kept in the cursor) while working on `step`."""
+        self._floor = max(0, int(step) - self.async_level - self.stale_lookback)
+        self._consumed = {k for k in self._consumed if k[0] >= self._floor}
+
+    def _pull(self, step: int, deadline: float | None, have: int) -> _Loaded:
+        self._waiting.set()
+        try:
+            while True:
+                item = next(self._iter)
+                if item is not None:
+                    return item
+                if deadline is not None and time.monotonic() >= deadline:
+                    extra = f"; last listing error: {self._listing_error}" if self._listing_error else ""
+                    raise TimeoutError(f"rollout pipeline: step {step} has {have} of {self.samples_per_step} "
+                                       f"samples and no further accepted batch arrived in time{extra}")
+        finally:
+            self._waiting.clear()
+
+    def _skip(self, item: _Loaded, step: int) -> bool:
+        """Consume and count `item` if it cannot be used at `step`; True when skipped."""
+        staleness = step - int(item.record.version)
+        if staleness > self.async_level:
+            reason, kind = f"stale: step {step} - version {item.record.version} > async_level {self.async_level}", "stale"
+        elif staleness < 0:
+            reason, kind = f"version {item.record.version} is ahead of step {step} (restored from an older checkpoint?)", "ahead"
+        elif item.error is not None:
+            reason, kind = item.error, "invalid"
+        else:
+            return False
+        log.warning("rollout pipeline: skipping batch %s: %s", batch_path(*item.key), reason)
+        self._consumed.add(item.key)
+        for counter in (self._counts, self._totals):
+            counter[f"{kind}_batches"] += 1
+            counter[f"{kind}_samples"] += item.samples
+        return True
+
+    def _rollouts(self, items: Sequence[_Loaded]) -> list[Rollout]:
+        out: list[Rollout] = []
+        groups = 0
+        for item in items:
+            b = item.batch
+            _, local = np.unique(b.group_ids, return_inverse=True)  # groups never span batches
+            name = batch_path(*item.key)
+            for i in range(b.num_samples):
+                out.append(Rollout(b.sample_tokens(i), int(b.prompt_lens[i]), b.sample_logprobs(i),
+                                   float(item.rewards[i]), groups + int(local[i]), int(b.meta.version), f"{name}#{i}"))
+            groups += int(local.max()) + 1
+        return out
+
+    def next(self, step: int, timeout: float | None = None) -> StepBatch:
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        self.start(step)
+        while True:
+            self._pending = [item for item in self._pending if not self._skip(item, step)]
+            have = sum(item.samples for item in self._pending)
+            while have < self.samples_per_step:
+                item = self._pull(step, deadline, have)
+                if not self._skip(item, step):
+                    self._pending.append(item)
+                    have += item.samples
+            items, self._pending = self._pending, []
+            batch = build_step_batch(self._rollouts(items), step, **self.pack_args)
+            self._consumed.update(item.key for item in items)
+            self._counts["batches"] += len(items)
+            self._totals["batches"] += len(items)
+            if batch is not None:
+                break
+            self._counts["filtered_batches"] += len(items)  # every group had zero advantage: gather again
+        stats = dict(batch.stats)
+        stats.update({k: float(v) for k, v in self._counts.items()})
+        staleness = np.bincount([step - v for v in batch.packed.versions], minlength=self.async_level + 1)
+        stats.update({f"staleness_{k}": float(c) for k, c in enumerate(staleness)})
+        stats["wait_s"] = time.monotonic() - start
+        self._counts = collections.Counter()
+        if self.keep_versions is not None and step - self.keep_versions + 1 > self._pruned_before:
+            self._pruned_before = step - self.keep_versions + 1
+            stats["pruned_batches"] = float(len(self.store.prune(self._pruned_before)))
+        return StepBatch(batch.packed, stats)
+
+    def cursor(self) -> dict[str, Any]:
+        return {"consumed": sorted([v, b] for v, b in self._consumed), "floor": self._floor,
+                "totals": dict(self._totals)}
+
+    def restore(self, cursor: dict[str, Any]) -> None:
+        """Continue after the batches `cursor` says were consumed (stops any read-ahead first)."""
+        try:
+            consumed = {(int(v), str(b)) for v, b in cursor["consumed"]}
+            floor, totals = int(cursor["floor"]), {str(k): int(v) for k, v in cursor["totals"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"rollout pipeline: malformed cursor ({type(e).__name__}: {e}); expected "
+                             "{'consumed': [[version, batch_id], ...], 'floor': int, 'totals': {...}}") from e
+        self.close()
+        self._consumed, self._floor = consumed, floor
+        self._totals = collections.Counter(totals)

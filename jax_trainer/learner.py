@@ -1,0 +1,155 @@
+"""The learner loop: take a step's rollouts, train, export the new policy, checkpoint, log.
+
+For each step n (n = optimizer steps applied so far = the version being trained from), the source yields
+rollouts of versions v with n - v <= async_level; the jitted step trains on them; every `export_interval`
+steps the parameters are exported as `weights/v{version:06d}` (DESIGN section 4) and `announce(version, dir)`
+tells the pool (the orchestrator client's `POST /v1/policy` in a real run); every `checkpoint_interval` steps
+an orbax checkpoint saves the state and the source's cursor. Each step appends one JSON line to
+`metrics.jsonl` (loss parts, clip fractions, ratio, entropy, mismatch KL, grad norms, tokens, throughput,
+wait time, staleness histogram) and updates a rich progress line on a terminal.
+
+A learner started on a run directory that has checkpoints resumes from the newest one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jax_trainer.checkpoint import Checkpointer
+from jax_trainer.models.hf import export_hf
+from jax_trainer.source import BatchSource
+from jax_trainer.train_step import GRPOTrainer, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSettings:
+    steps: int  # train until this many optimizer steps (the final policy version)
+    async_level: int = 2
+    export_interval: int = 1
+    checkpoint_interval: int = 50  # 0: never (a final checkpoint is still written)
+    export_dtype: str = "bfloat16"
+    batch_timeout_s: float = 600.0
+
+
+class Learner:
+    def __init__(self, trainer: GRPOTrainer, source: BatchSource, run_dir: str | Path, base_model_dir: str | Path,
+                 settings: LearnerSettings, checkpointer: Checkpointer | None = None,
+                 announce: Callable[[int, Path], None] | None = None, progress: bool = True):
+        self.trainer = trainer
+        self.source = source
+        self.run_dir = Path(run_dir)
+        self.base_model_dir = Path(base_model_dir)
+        self.settings = settings
+        self.checkpointer = checkpointer or Checkpointer(self.run_dir / "checkpoints")
+        self.announce = announce
+        self.progress = progress
+        self.weights_dir = self.run_dir / "weights"
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.is_writer = jax.process_index() == 0
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def initial_state(self, params) -> TrainState:
+        """The newest checkpoint's state if there is one (the source's cursor restored too), else fresh."""
+        if self.checkpointer.latest_step() is None:
+            return self.trainer.init_state(params)
+        state, meta = self.checkpointer.restore(self.trainer.abstract_state())
+        self.source.restore(meta["cursor"])
+        return state
+
+    def export(self, state: TrainState) -> Path:
+        version = int(state.step)
+        out = self.weights_dir / f"v{version:06d}"
+        if not _on_all_processes((out / "STABLE").exists()):
+            export_hf(self.trainer.model(state.params), out, version=version, source_dir=self.base_model_dir,
+                      dtype=self.settings.export_dtype)
+        if self.announce is not None and self.is_writer:
+            self.announce(version, out)
+        return out
+
+    def checkpoint(self, state: TrainState) -> None:
+        self.checkpointer.save(int(state.step), state, {"cursor": self.source.cursor(), "version": int(state.step)})
+
+    # ---- loop --------------------------------------------------------------------------------------------
+    def run(self, params) -> TrainState:
+        s = self.settings
+        state = self.initial_state(params)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.export(state)  # the version workers start from (0, or the resumed one)
+        with _Progress(self.progress and self.is_writer, s.steps, int(state.step)) as bar:
+            while int(state.step) < s.steps:
+                state = self._one_step(state, bar)
+        if s.checkpoint_interval == 0 or int(state.step) % s.checkpoint_interval:
+            self.checkpoint(state)
+        return state
+
+    def _one_step(self, state: TrainState, bar: "_Progress") -> TrainState:
+        s = self.settings
+        step = int(state.step)
+        t0 = time.perf_counter()
+        batch = self.source.next(step, timeout=s.batch_timeout_s)
+        t1 = time.perf_counter()
+        state, metrics = self.trainer.step(state, self.trainer.device_batch(batch.packed))
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        t2 = time.perf_counter()
+        version = int(state.step)
+        staleness = collections.Counter(step - v for v in batch.packed.versions)
+        record = {
+            "role": "learner", "step": version, "time": time.time(), **metrics, **batch.stats,
+            "wait_s": t1 - t0, "step_s": t2 - t1,
+            "tokens_per_s": float(np.sum(batch.packed.segment_ids > 0)) / max(t2 - t1, 1e-9),
+            "busy_frac": (t2 - t1) / max(t2 - t0, 1e-9),
+            "staleness_hist": {str(k): c for k, c in sorted(staleness.items())},
+        }
+        if version % s.export_interval == 0 or version >= s.steps:
+            self.export(state)
+        if s.checkpoint_interval and version % s.checkpoint_interval == 0:
+            self.checkpoint(state)
+        if self.is_writer:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        bar.update(version, record)
+        return state
+
+
+def _on_all_processes(flag: bool) -> bool:
+    """Process 0's answer, everywhere: collective work (the export's gathers) must be entered by all or none."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+class _Progress:
+    """A rich progress line on a terminal (nothing otherwise): step, loss, reward, tokens/s."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.enabled, self.total, self.start = enabled, total, start
+
+    def __enter__(self):
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("learner"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("{task.description}"), TimeRemainingColumn())
+            self.bar.__enter__()
+            self.task = self.bar.add_task("", total=self.total, completed=self.start)
+        return self
+
+    def update(self, step: int, r: dict) -> None:
+        if self.enabled:
+            self.bar.update(self.task, completed=step, description=(
+                f"loss {r['loss']:+.4f} reward {r.get('reward_mean', float('nan')):.3f} "
+                f"{r['tokens_per_s']:.0f} tok/s"))
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.__exit__(*exc)
