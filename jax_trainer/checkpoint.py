@@ -70,5 +70,13 @@ class Checkpointer:
                                       f", expected {want.dtype}{list(want.shape)}")
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values), dict(restored["meta"])
 
+    def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """(step, meta) of a checkpoint without touching its arrays."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"{self.directory}: no checkpoint to read")
+        restored = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return step, dict(restored["meta"])
+
     def close(self) -> None:
         self.manager.close()

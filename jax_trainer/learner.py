@@ -61,11 +61,12 @@ class Learner:
         if self.checkpointer.latest_step() is None:
             return self.trainer.init_state(params)
         state, meta = self.checkpointer.restore(self.trainer.abstract_state())
-        self.source.restore(meta["cursor"])
+        if meta.get("cursor") is not None:  # None: a checkpoint made by `intellect import`, before any data
+            self.source.restore(meta["cursor"])
         return state
 
     def export(self, state: TrainState) -> Path:
-        version = int(state.step)
+        version = _scalar(state.step)
         out = self.weights_dir / f"v{version:06d}"
         if not _on_all_processes((out / "STABLE").exists()):
             export_hf(self.trainer.model(state.params), out, version=version, source_dir=self.base_model_dir,
@@ -75,7 +76,8 @@ class Learner:
         return out
 
     def checkpoint(self, state: TrainState) -> None:
-        self.checkpointer.save(int(state.step), state, {"cursor": self.source.cursor(), "version": int(state.step)})
+        step = _scalar(state.step)
+        self.checkpointer.save(step, state, checkpoint_meta(self.base_model_dir, step, self.source.cursor()))
 
     # ---- loop --------------------------------------------------------------------------------------------
     def run(self, params) -> TrainState:
@@ -83,23 +85,23 @@ class Learner:
         state = self.initial_state(params)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.export(state)  # the version workers start from (0, or the resumed one)
-        with _Progress(self.progress and self.is_writer, s.steps, int(state.step)) as bar:
-            while int(state.step) < s.steps:
+        with _Progress(self.progress and self.is_writer, s.steps, _scalar(state.step)) as bar:
+            while _scalar(state.step) < s.steps:
                 state = self._one_step(state, bar)
-        if s.checkpoint_interval == 0 or int(state.step) % s.checkpoint_interval:
+        if s.checkpoint_interval == 0 or _scalar(state.step) % s.checkpoint_interval:
             self.checkpoint(state)
         return state
 
     def _one_step(self, state: TrainState, bar: "_Progress") -> TrainState:
         s = self.settings
-        step = int(state.step)
+        step = _scalar(state.step)
         t0 = time.perf_counter()
         batch = self.source.next(step, timeout=s.batch_timeout_s)
         t1 = time.perf_counter()
         state, metrics = self.trainer.step(state, self.trainer.device_batch(batch.packed))
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        metrics = {k: float(_scalar(v)) for k, v in metrics.items()}
         t2 = time.perf_counter()
-        version = int(state.step)
+        version = _scalar(state.step)
         staleness = collections.Counter(step - v for v in batch.packed.versions)
         record = {
             "role": "learner", "step": version, "time": time.time(), **metrics, **batch.stats,
@@ -117,6 +119,19 @@ class Learner:
                 f.write(json.dumps(record) + "\n")
         bar.update(version, record)
         return state
+
+
+def _scalar(x):
+    """A replicated scalar as a Python number, also when the array spans several processes."""
+    return np.asarray(x.addressable_data(0)).item()
+
+
+def checkpoint_meta(base_model_dir: str | Path, version: int, cursor: dict | None) -> dict:
+    """What a checkpoint needs besides arrays: the data cursor, and the base model (its config.json rebuilds the
+    model for `intellect export`; its tokenizer files go into every export)."""
+    base = Path(base_model_dir).absolute()
+    return {"cursor": cursor, "version": version, "base_model": str(base),
+            "hf_config": json.loads((base / "config.json").read_text())}
 
 
 def _on_all_processes(flag: bool) -> bool:

@@ -1,0 +1,55 @@
+"""Build the learner's pieces from the shared config: process group, mesh, model, GRPO trainer.
+
+Used by `intellect train`, `intellect import` and `intellect export`, so that all three agree on how a
+config turns into a mesh and a model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from intellect.config import Config
+
+
+def init_distributed(cfg: Config) -> None:
+    """`jax.distributed.initialize` for a multi-host learner (no-op for one process without a coordinator).
+
+    On a TPU VM pod slice, leave the three fields unset: JAX reads them from the TPU environment.
+    """
+    import jax
+
+    t = cfg.trainer
+    if t.coordinator_address is None and t.num_processes is None:
+        return
+    jax.distributed.initialize(coordinator_address=t.coordinator_address, num_processes=t.num_processes,
+                               process_id=t.process_id)
+
+
+def mesh_from_config(cfg: Config):
+    from jax_trainer.sharding import make_mesh
+
+    return make_mesh(cfg.trainer.data, cfg.trainer.fsdp, cfg.trainer.tensor)
+
+
+def trainer_for(cfg: Config, model, mesh, reference=None):
+    from jax_trainer.loss import LossSettings
+    from jax_trainer.optim import OptimSettings
+    from jax_trainer.train_step import GRPOTrainer, StepSettings
+
+    return GRPOTrainer(model, mesh, LossSettings.from_config(cfg.loss),
+                       OptimSettings.from_config(cfg.optim, cfg.trainer.steps),
+                       StepSettings(cfg.trainer.steps_per_batch, cfg.trainer.logprob_chunk), reference)
+
+
+def load_base(cfg: Config, path: str | Path, mesh):
+    from jax_trainer.models import load_hf
+
+    m = cfg.model
+    return load_hf(path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+
+
+def abstract_from_hf_config(cfg: Config, hf_config: dict):
+    from jax_trainer.models import ModelConfig, abstract_model
+
+    m = cfg.model
+    return abstract_model(ModelConfig.from_hf(hf_config), m.param_dtype, m.compute_dtype, m.remat)
