@@ -67,6 +67,12 @@ class AcceptedBatch:
     sha256: str | None = None  # the COMMIT digest the validator checked; None: not pinned
     store_url: str | None = None  # the store holding it; None: the pipeline's own store
 
+    def __post_init__(self):
+        if isinstance(self.version, bool) or not isinstance(self.version, (int, np.integer)) or self.version < 0:
+            raise ValueError(f"accepted batch {self.batch_id!r}: version {self.version!r} is not an integer >= 0")
+        if not isinstance(self.batch_id, str):
+            raise ValueError(f"accepted batch {self.batch_id!r}: batch_id must be a string")
+
 
 class AcceptedBatches(Protocol):
     def accepted(self, min_version: int) -> Sequence[AcceptedBatch]:
@@ -172,7 +178,7 @@ class RolloutPipeline:
     """`BatchSource` over the rollout store (module docstring).
 
     samples_per_step: samples gathered per step (whole batches, so a step may hold a little more);
-    rows, seq_len, multiple_of, truncate: packing (`jax_trainer.packing.pack`); advantage_mode,
+    rows, seq_len, multiple_of, micro_batches, truncate: packing (`jax_trainer.packing.pack`); advantage_mode,
     drop_zero_groups: `jax_trainer.advantages`; async_level: step n uses versions n - async_level .. n;
     vocab_size: token ids are checked against it on read; prefetch: loaded batches held ahead;
     stale_lookback: versions below the window still listed, to count late batches as stale (module docstring);
@@ -182,8 +188,8 @@ class RolloutPipeline:
     """
 
     def __init__(self, store: RolloutStore, accepted: AcceptedBatches, *, samples_per_step: int, rows: int,
-                 seq_len: int, multiple_of: int = 1, advantage_mode: str = "std", drop_zero_groups: bool = True,
-                 truncate: bool = False, async_level: int = 2, vocab_size: int | None = None, prefetch: int = 4,
+                 seq_len: int, multiple_of: int = 1, micro_batches: int | None = None, advantage_mode: str = "std",
+                 drop_zero_groups: bool = True, truncate: bool = False, async_level: int = 2, vocab_size: int | None = None, prefetch: int = 4,
                  stale_lookback: int = 2, poll_interval: float = 0.2, keep_versions: int | None = None,
                  read_retries: int = 1):
         if samples_per_step <= 0 or prefetch <= 0 or poll_interval <= 0 or min(async_level, stale_lookback,
@@ -195,8 +201,8 @@ class RolloutPipeline:
                              f"({async_level + 1}), or rollouts still in the window would be deleted")
         self.store, self.accepted = store, accepted
         self.samples_per_step = samples_per_step
-        self.pack_args = dict(rows=rows, seq_len=seq_len, multiple_of=multiple_of, advantage_mode=advantage_mode,
-                              drop_zero_groups=drop_zero_groups, truncate=truncate)
+        self.pack_args = dict(rows=rows, seq_len=seq_len, multiple_of=multiple_of, micro_batches=micro_batches,
+                              advantage_mode=advantage_mode, drop_zero_groups=drop_zero_groups, truncate=truncate)
         self.async_level, self.vocab_size = async_level, vocab_size
         self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
         self.keep_versions, self.read_retries = keep_versions, read_retries
@@ -223,16 +229,17 @@ class RolloutPipeline:
     def _load(self, record: AcceptedBatch | None) -> _Loaded | None:
         if record is None:
             return None
-        where = f"v{int(record.version):06d}/{record.batch_id}"
-        error = "not read"
+        try:
+            where = batch_path(record.version, record.batch_id)
+        except RolloutStoreError as e:  # an id that would leave the store: nothing to retry
+            return _Loaded(record, error=str(e))
         for attempt in range(self.read_retries + 1):
             try:
-                batch_path(record.version, record.batch_id)
                 batch = self._store_for(record.store_url).read(record.version, record.batch_id,
                                                                vocab_size=self.vocab_size,
                                                                expect_sha256=record.sha256)
                 break
-            except (RolloutStoreError, ValueError) as e:
+            except (RolloutStoreError, ValueError) as e:  # ValueError: a store URL that does not open
                 error = str(e)
                 if attempt < self.read_retries:
                     self._stop.wait(self.poll_interval)
@@ -293,16 +300,19 @@ class RolloutPipeline:
 
     def _skip(self, item: _Loaded, step: int) -> bool:
         """Consume and count `item` if it cannot be used at `step`; True when skipped."""
-        staleness = step - int(item.record.version)
+        version, batch_id = item.key
+        staleness = step - version
+        name = f"rollout batch v{version:06d}/{batch_id}"
         if staleness > self.async_level:
-            reason, kind = f"stale: step {step} - version {item.record.version} > async_level {self.async_level}", "stale"
+            reason, kind = f"{name}: stale: step {step} - version {version} > async_level {self.async_level}", "stale"
         elif staleness < 0:
-            reason, kind = f"version {item.record.version} is ahead of step {step} (restored from an older checkpoint?)", "ahead"
+            reason = f"{name}: version {version} is ahead of step {step} (restored from an older checkpoint?)"
+            kind = "ahead"
         elif item.error is not None:
             reason, kind = item.error, "invalid"
         else:
             return False
-        log.warning("rollout pipeline: skipping batch %s: %s", batch_path(*item.key), reason)
+        log.warning("rollout pipeline: skipped %s", reason)
         self._consumed.add(item.key)
         for counter in (self._counts, self._totals):
             counter[f"{kind}_batches"] += 1
@@ -323,8 +333,7 @@ class RolloutPipeline:
         return out
 
     def next(self, step: int, timeout: float | None = None) -> StepBatch:
-        start = time.monotonic()
-        deadline = None if timeout is None else start + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         self.start(step)
         while True:
             self._pending = [item for item in self._pending if not self._skip(item, step)]
@@ -334,19 +343,17 @@ class RolloutPipeline:
                 if not self._skip(item, step):
                     self._pending.append(item)
                     have += item.samples
-            items, self._pending = self._pending, []
-            batch = build_step_batch(self._rollouts(items), step, **self.pack_args)
+            items = self._pending
+            batch = build_step_batch(self._rollouts(items), step, **self.pack_args)  # PackingError: items stay
+            self._pending = []
             self._consumed.update(item.key for item in items)
             self._counts["batches"] += len(items)
             self._totals["batches"] += len(items)
             if batch is not None:
                 break
             self._counts["filtered_batches"] += len(items)  # every group had zero advantage: gather again
-        stats = dict(batch.stats)
-        stats.update({k: float(v) for k, v in self._counts.items()})
-        staleness = np.bincount([step - v for v in batch.packed.versions], minlength=self.async_level + 1)
-        stats.update({f"staleness_{k}": float(c) for k, c in enumerate(staleness)})
-        stats["wait_s"] = time.monotonic() - start
+            self._totals["filtered_batches"] += len(items)
+        stats = {**batch.stats, **{k: float(v) for k, v in self._counts.items()}}  # staleness: mean, max
         self._counts = collections.Counter()
         if self.keep_versions is not None and step - self.keep_versions + 1 > self._pruned_before:
             self._pruned_before = step - self.keep_versions + 1
@@ -367,4 +374,4 @@ class RolloutPipeline:
                              "{'consumed': [[version, batch_id], ...], 'floor': int, 'totals': {...}}") from e
         self.close()
         self._consumed, self._floor = consumed, floor
-        self._totals = collections.Counter(totals)
+        self._totals, self._counts = collections.Counter(totals), collections.Counter()

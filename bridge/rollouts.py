@@ -1,0 +1,604 @@
+"""Rollout batches on tensorstore (DESIGN section 6): the schema, a writer, a validating reader, listing, pruning.
+
+A batch is one assignment's output (G completions for each of P prompts), stored under
+`<store>/v{version:06d}/{batch_id}/` on any tensorstore kvstore:
+
+    v000003/b-17/tokens/zarr.json  tokens/0 ...     one 1-D zarr v3 array per field of `FIELDS` (compressed,
+                                                     `CODECS`; origin 0; `fill_value` 0; chunk keys in the
+                                                     "v2" encoding, so chunk k is `tokens/k`)
+    v000003/b-17/meta.json                           a JSON object, see below
+    v000003/b-17/COMMIT                              64 lowercase hex digits of the digest below, then "\\n"
+
+`meta.json` has exactly these keys: `schema` (1), `batch_id`, `node_key` (hex public key of the worker),
+`version`, `assignment_id` (non-negative integer or string), `sampling` (object: temperature, top_p, ...),
+`model_dtype` ("float32" | "bfloat16" | "float16"), and the counts `num_samples` (n), `num_tokens` (T) and
+`num_proof_bytes` (P) that fix every array's length: T for tokens and logprobs, n + 1 for both offset
+arrays, P for proofs, n for the rest. This writer emits it with sorted keys, no spaces, ASCII only.
+
+The store is opened from a URL or a kvstore spec: a plain path or `file:///abs/dir` (default), `memory://`
+(tests; writer and reader must share the `RolloutStore` or its `context`), and `gs://bucket/prefix`,
+`s3://bucket/prefix` or any tensorstore kvstore JSON spec, passed through to tensorstore as they are (their
+credentials come from the environment, as tensorstore documents; those drivers are not exercised here).
+
+Canonical bytes. The sha256 in `COMMIT` is computed over the batch's decoded values, not over the stored
+(compressed, chunked) files, so that any codec or chunking a writer picks gives the same digest and any
+language can recompute it:
+
+    digest = sha256(
+        b"intellect-rollout-batch/1\\n"
+        + for each field in the order of `FIELDS` (the order of the DESIGN table):
+              name + b"\\n" + dtype + b"\\n" + u64le(number of elements) + sha256(values)
+        + b"meta.json\\n" + u64le(len(meta)) + sha256(meta))
+
+where `name` and `dtype` are the ASCII strings of `FIELDS` (`b"tokens"`, `b"int32"`), `u64le` is an unsigned
+64-bit little-endian integer, `sha256(values)` is the 32-byte digest of the array's values laid out as
+little-endian fixed-width integers or IEEE floats with no padding, and `meta` is the exact content of
+`meta.json` as stored. Hashing each field first lets the fields be hashed in parallel.
+
+Writing: arrays and `meta.json` first, `COMMIT` last and only if no `COMMIT` exists yet (a conditional write),
+so a batch is visible to readers only once all of it is durable; a leftover of a failed write (no `COMMIT`)
+is cleared and rewritten, a committed batch is never overwritten.
+
+Reading: `COMMIT`, then `meta.json`, then every array (declared sizes are checked before any array is read,
+so a corrupt or hostile batch cannot make the reader allocate more than `max_batch_bytes`), then the digest,
+then every invariant of `check_batch`. Anything wrong raises `RolloutStoreError`, whose message starts with
+the batch (`v000003/b-17`) and the field; a batch either reads back exactly as written or not at all. The
+digest proves the batch is the one its writer committed; `read(expect_sha256=)` also proves it is the one
+the validator accepted (a worker that rewrites a batch after validation can write a matching `COMMIT`).
+
+Retention: `prune(before_version)` deletes every batch of older versions, their `COMMIT`s first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+import tensorstore as ts
+
+SCHEMA_VERSION = 1
+PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (DESIGN section 7)
+PROOF_CHUNK_TOKENS = 32  # decode steps covered by one proof
+DIGEST_DOMAIN = b"intellect-rollout-batch/1\n"
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+# (name, dtype, length): length "T" = tokens, "n" = samples, "n+1" = offsets, "P" = proof bytes.
+FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("tokens", "int32", "T"),
+    ("offsets", "int64", "n+1"),
+    ("prompt_lens", "int32", "n"),
+    ("logprobs", "float32", "T"),
+    ("task_ids", "int64", "n"),
+    ("group_ids", "int32", "n"),
+    ("target_lens", "int32", "n"),
+    ("seeds", "uint64", "n"),
+    ("finish", "uint8", "n"),
+    ("rewards", "float32", "n"),
+    ("proofs", "uint8", "P"),
+    ("proof_offsets", "int64", "n+1"),
+)
+FIELD_NAMES = tuple(name for name, _, _ in FIELDS)
+_DTYPE = {name: dtype for name, dtype, _ in FIELDS}
+_META_KEYS = frozenset({"schema", "batch_id", "node_key", "version", "assignment_id", "sampling", "model_dtype",
+                        "num_samples", "num_tokens", "num_proof_bytes"})
+_BATCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HEX_KEY = re.compile(r"[0-9a-fA-F]{1,256}")
+_COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
+_COMMIT_KEY = re.compile(r"v(\d{6,})/([^/]+)/COMMIT")
+_VERSION_DIR = re.compile(r"v\d{6,}")
+_CHUNK_ELEMENTS = 1 << 20  # elements per stored chunk (chunks compress and decompress in parallel)
+_MAX_CHUNK_ELEMENTS = 1 << 24  # a reader refuses larger chunks (a chunk is decoded whole)
+DEFAULT_MAX_BATCH_BYTES = 4 << 30
+
+CODECS: dict[str, Any] = {
+    "blosc-lz4": lambda itemsize: {"name": "blosc", "configuration": {
+        "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0}},
+    "blosc-zstd": lambda itemsize: {"name": "blosc", "configuration": {
+        "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0}},
+    "zstd": lambda itemsize: {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
+    "none": None,
+}
+"""Compression of the writer's arrays (a reader reads whatever codec an array's zarr.json names)."""
+
+_HASH_POOL = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="rollout-hash")
+
+
+class RolloutStoreError(ValueError):
+    """A rollout batch that cannot be written or read; the message names the batch and the field."""
+
+    def __init__(self, batch: str, field: str, reason: str):
+        super().__init__(f"rollout batch {batch}: {field}: {reason}")
+        self.batch, self.field, self.reason = batch, field, reason
+
+
+class BatchRef(NamedTuple):
+    """Where a batch lives in a store."""
+
+    version: int
+    batch_id: str
+
+    @property
+    def path(self) -> str:
+        return batch_path(self.version, self.batch_id)
+
+
+def batch_path(version: int, batch_id: str) -> str:
+    """`v{version:06d}/{batch_id}`, after refusing anything that could leave the store root."""
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
+        raise RolloutStoreError(f"v?/{batch_id!r}", "version", f"{version!r} is not a non-negative integer")
+    if not isinstance(batch_id, str) or not _BATCH_ID.fullmatch(batch_id):
+        raise RolloutStoreError(f"v{int(version):06d}/{batch_id!r}", "batch_id",
+                                "must be 1-128 characters of A-Z a-z 0-9 . _ - starting with a letter or digit")
+    return f"v{int(version):06d}/{batch_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchMeta:
+    """What `meta.json` says about a batch besides its arrays."""
+
+    batch_id: str
+    node_key: str  # hex ed25519 public key of the worker
+    version: int  # policy version that generated the batch
+    assignment_id: str | int
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # temperature, top_p, max_tokens, ...
+    model_dtype: str = "bfloat16"  # dtype the inference engine ran the policy in
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutBatch:
+    """One batch: `meta` and the arrays of `FIELDS` (flat, with offsets; see DESIGN section 6)."""
+
+    meta: BatchMeta
+    tokens: np.ndarray
+    offsets: np.ndarray
+    prompt_lens: np.ndarray
+    logprobs: np.ndarray
+    task_ids: np.ndarray
+    group_ids: np.ndarray
+    target_lens: np.ndarray
+    seeds: np.ndarray
+    finish: np.ndarray
+    rewards: np.ndarray
+    proofs: np.ndarray
+    proof_offsets: np.ndarray
+
+    @classmethod
+    def from_samples(cls, meta: BatchMeta, *, tokens: Sequence[Any], prompt_lens: Sequence[int],
+                     logprobs: Sequence[Any], task_ids: Sequence[int], group_ids: Sequence[int],
+                     seeds: Sequence[int], finish: Sequence[int], rewards: Sequence[float],
+                     proofs: Sequence[bytes], target_lens: Sequence[int] | None = None) -> RolloutBatch:
+        """Concatenate per-sample sequences (tokens, logprobs, proof bytes) into the flat layout."""
+        where = _where(meta.version, meta.batch_id)
+        n = len(tokens)
+        lists = {"prompt_lens": prompt_lens, "logprobs": logprobs, "task_ids": task_ids, "group_ids": group_ids,
+                 "seeds": seeds, "finish": finish, "rewards": rewards, "proofs": proofs}
+        for name, values in lists.items():
+            if len(values) != n:
+                raise RolloutStoreError(where, name, f"{len(values)} entries for {n} samples")
+        tok = [_cast(t, "int32", where, "tokens") for t in tokens]
+        lens = np.array([len(t) for t in tok], np.int64)
+        proof_lens = np.array([len(p) for p in proofs], np.int64)
+        arrays = {
+            "tokens": np.concatenate(tok) if n else np.zeros(0, np.int32),
+            "offsets": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+            "logprobs": (np.concatenate([_cast(x, "float32", where, "logprobs") for x in logprobs]) if n
+                         else np.zeros(0, np.float32)),
+            "proofs": np.frombuffer(b"".join(bytes(p) for p in proofs), np.uint8).copy(),
+            "proof_offsets": np.concatenate([[0], np.cumsum(proof_lens)]).astype(np.int64),
+            "target_lens": _cast(np.zeros(n, np.int32) if target_lens is None else target_lens, "int32", where,
+                                 "target_lens"),
+        }
+        for name in ("prompt_lens", "task_ids", "group_ids", "seeds", "finish", "rewards"):
+            arrays[name] = _cast(lists[name], _DTYPE[name], where, name)
+        return cls(meta=meta, **arrays)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in FIELD_NAMES}
+
+    @property
+    def ref(self) -> BatchRef:
+        return BatchRef(int(self.meta.version), self.meta.batch_id)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def completion_lens(self) -> np.ndarray:
+        return self.lengths - self.prompt_lens
+
+    def sample_tokens(self, i: int) -> np.ndarray:
+        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def sample_logprobs(self, i: int) -> np.ndarray:
+        return self.logprobs[self.offsets[i]:self.offsets[i + 1]]
+
+    def sample_proof(self, i: int) -> bytes:
+        return self.proofs[self.proof_offsets[i]:self.proof_offsets[i + 1]].tobytes()
+
+
+def _where(version: Any, batch_id: Any) -> str:
+    try:
+        return f"v{int(version):06d}/{batch_id}"
+    except (TypeError, ValueError):
+        return f"v{version!r}/{batch_id}"
+
+
+def _cast(values: Any, dtype: str, where: str, field: str) -> np.ndarray:
+    """`values` as a 1-D array of `dtype`, refusing casts that would change a value (overflow, fractions)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise RolloutStoreError(where, field, f"expected a 1-D sequence, got shape {arr.shape}")
+    out = arr.astype(dtype)
+    if len(arr) and np.dtype(dtype).kind in "iu" and not np.array_equal(out.astype(arr.dtype), arr):
+        raise RolloutStoreError(where, field, f"values do not fit {dtype}")
+    return out
+
+
+def meta_json(meta: BatchMeta, num_samples: int, num_tokens: int, num_proof_bytes: int) -> bytes:
+    """The bytes of `meta.json`: sorted keys, no spaces, ASCII (readers hash these bytes as they are stored)."""
+    doc = {"schema": SCHEMA_VERSION, "batch_id": meta.batch_id, "node_key": meta.node_key,
+           "version": int(meta.version), "assignment_id": meta.assignment_id, "sampling": dict(meta.sampling),
+           "model_dtype": meta.model_dtype, "num_samples": int(num_samples), "num_tokens": int(num_tokens),
+           "num_proof_bytes": int(num_proof_bytes)}
+    try:
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise RolloutStoreError(_where(meta.version, meta.batch_id), "meta.json",
+                                f"meta is not JSON with finite numbers ({e})") from e
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-finite number {name}")
+
+
+def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
+    """`meta.json` bytes -> (`BatchMeta`, counts {num_samples, num_tokens, num_proof_bytes}); strict."""
+    try:
+        doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise RolloutStoreError(where, "meta.json", f"not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise RolloutStoreError(where, "meta.json", f"expected a JSON object, got {type(doc).__name__}")
+    if set(doc) != _META_KEYS:
+        missing, extra = sorted(_META_KEYS - set(doc)), sorted(set(doc) - _META_KEYS)
+        raise RolloutStoreError(where, "meta.json", f"missing keys {missing}, unknown keys {extra}")
+
+    def integer(key: str) -> int:
+        value = doc[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise RolloutStoreError(where, f"meta.{key}", f"{value!r} is not a non-negative integer")
+        return value
+
+    if doc["schema"] != SCHEMA_VERSION or isinstance(doc["schema"], bool):
+        raise RolloutStoreError(where, "meta.schema", f"{doc['schema']!r}: this reader knows schema {SCHEMA_VERSION}")
+    if not isinstance(doc["batch_id"], str) or not _BATCH_ID.fullmatch(doc["batch_id"]):
+        raise RolloutStoreError(where, "meta.batch_id", f"{doc['batch_id']!r} is not a valid batch id")
+    if not isinstance(doc["node_key"], str) or not _HEX_KEY.fullmatch(doc["node_key"]):
+        raise RolloutStoreError(where, "meta.node_key", f"{doc['node_key']!r} is not a hex public key")
+    assignment = doc["assignment_id"]
+    if isinstance(assignment, bool) or not (isinstance(assignment, int) and assignment >= 0
+                                            or isinstance(assignment, str) and 0 < len(assignment) <= 256):
+        raise RolloutStoreError(where, "meta.assignment_id", f"{assignment!r} is not a non-negative integer or "
+                                "a string of 1-256 characters")
+    if not isinstance(doc["sampling"], dict):
+        raise RolloutStoreError(where, "meta.sampling", f"expected a JSON object, got {doc['sampling']!r}")
+    if doc["model_dtype"] not in MODEL_DTYPES:
+        raise RolloutStoreError(where, "meta.model_dtype", f"{doc['model_dtype']!r} is not one of {MODEL_DTYPES}")
+    meta = BatchMeta(batch_id=doc["batch_id"], node_key=doc["node_key"], version=integer("version"),
+                     assignment_id=assignment, sampling=doc["sampling"], model_dtype=doc["model_dtype"])
+    counts = {k: integer(k) for k in ("num_samples", "num_tokens", "num_proof_bytes")}
+    return meta, counts
+
+
+def expected_lengths(counts: Mapping[str, int]) -> dict[str, int]:
+    n, t, p = counts["num_samples"], counts["num_tokens"], counts["num_proof_bytes"]
+    sizes = {"T": t, "n": n, "n+1": n + 1, "P": p}
+    return {name: sizes[length] for name, _, length in FIELDS}
+
+
+def _field_digest(arr: np.ndarray, dtype: str) -> bytes:
+    return hashlib.sha256(np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))).digest()
+
+
+def _combine(sizes: Sequence[int], digests: Sequence[bytes], meta_bytes: bytes) -> str:
+    outer = hashlib.sha256(DIGEST_DOMAIN)
+    for (name, dtype, _), size, digest in zip(FIELDS, sizes, digests):
+        outer.update(name.encode() + b"\n" + dtype.encode() + b"\n" + struct.pack("<Q", size) + digest)
+    outer.update(b"meta.json\n" + struct.pack("<Q", len(meta_bytes)) + hashlib.sha256(meta_bytes).digest())
+    return outer.hexdigest()
+
+
+def canonical_sha256(arrays: Mapping[str, np.ndarray], meta_bytes: bytes) -> str:
+    """Hex sha256 of the batch's canonical bytes (module docstring); fields are hashed in parallel."""
+    digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in FIELDS]
+    return _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], meta_bytes)
+
+
+def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
+    """Every invariant of the schema; raises `RolloutStoreError` naming the first field that breaks one."""
+    where = _where(batch.meta.version, batch.meta.batch_id)
+    arrays = batch.arrays()
+    n = len(batch.prompt_lens)
+    counts = {"num_samples": n, "num_tokens": len(batch.tokens), "num_proof_bytes": len(batch.proofs)}
+    want = expected_lengths(counts)
+    for name, dtype, _ in FIELDS:
+        arr = arrays[name]
+        if not isinstance(arr, np.ndarray) or arr.dtype != np.dtype(dtype) or arr.ndim != 1:
+            got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
+            raise RolloutStoreError(where, name, f"expected a 1-D {dtype} array, got {got}")
+        if len(arr) != want[name]:
+            raise RolloutStoreError(where, name, f"length {len(arr)}, expected {want[name]} for {n} samples, "
+                                    f"{counts['num_tokens']} tokens, {counts['num_proof_bytes']} proof bytes")
+    if n == 0:
+        raise RolloutStoreError(where, "num_samples", "a batch holds at least one sample")
+
+    def fail(field: str, bad: np.ndarray, reason: str) -> None:
+        idx = np.flatnonzero(bad)
+        if len(idx):
+            raise RolloutStoreError(where, field, f"{reason} at index {int(idx[0])} ({len(idx)} in all)")
+
+    offsets, proof_offsets = batch.offsets, batch.proof_offsets
+    if offsets[0] != 0 or offsets[-1] != len(batch.tokens):
+        raise RolloutStoreError(where, "offsets", f"must run from 0 to {len(batch.tokens)} (the token count), "
+                                f"got {int(offsets[0])} .. {int(offsets[-1])}")
+    lengths = np.diff(offsets)
+    fail("offsets", lengths <= 0, "not strictly increasing")
+    fail("prompt_lens", batch.prompt_lens < 1, "prompt length < 1")
+    fail("prompt_lens", batch.prompt_lens >= lengths, "prompt length not below the sample length")
+    fail("tokens", batch.tokens < 0, "negative token id")
+    if vocab_size is not None:
+        fail("tokens", batch.tokens >= vocab_size, f"token id >= vocabulary size {vocab_size}")
+    fail("logprobs", ~np.isfinite(batch.logprobs), "non-finite logprob")
+    # non-zero logprobs per prompt span [offsets[i], offsets[i] + prompt_lens[i]) (even entries of the reduceat)
+    bounds = np.stack([offsets[:-1], offsets[:-1] + batch.prompt_lens]).T.reshape(-1)
+    nonzero = np.add.reduceat((batch.logprobs != 0).view(np.uint8), bounds, dtype=np.int64)[0::2]
+    fail("logprobs", nonzero > 0, "non-zero logprob on a prompt token of the sample")
+    fail("rewards", ~np.isfinite(batch.rewards), "non-finite reward")
+    fail("finish", batch.finish > 1, "finish must be 0 (stop) or 1 (length)")
+    fail("task_ids", batch.task_ids < 0, "negative task id")
+    fail("group_ids", batch.group_ids < 0, "negative group id")
+    fail("target_lens", batch.target_lens < 0, "negative target length")
+    if len(batch.proofs) % PROOF_CHUNK_BYTES:
+        raise RolloutStoreError(where, "proofs", f"{len(batch.proofs)} bytes is not a multiple of {PROOF_CHUNK_BYTES}")
+    if proof_offsets[0] != 0 or proof_offsets[-1] != len(batch.proofs):
+        raise RolloutStoreError(where, "proof_offsets", f"must run from 0 to {len(batch.proofs)} (the proof bytes), "
+                                f"got {int(proof_offsets[0])} .. {int(proof_offsets[-1])}")
+    chunks = -(-(lengths - batch.prompt_lens) // PROOF_CHUNK_TOKENS)
+    fail("proof_offsets", np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
+         f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(completion length / {PROOF_CHUNK_TOKENS})")
+
+
+def _result(future: Any, where: str, field: str, what: str) -> Any:
+    try:
+        return future.result()
+    except Exception as e:  # tensorstore reports I/O, decoding and metadata errors as ValueError and kin
+        raise RolloutStoreError(where, field, f"{what} failed: {e}") from e
+
+
+def _location_spec(location: str | os.PathLike | Mapping[str, Any]) -> Any:
+    if isinstance(location, Mapping):
+        return dict(location)
+    text = os.fspath(location)
+    if "://" in text:
+        return text
+    return "file://" + str(Path(text).expanduser().resolve())
+
+
+class RolloutStore:
+    """A rollout store on one tensorstore kvstore: `write`, `read`, `list`, `prune` (module docstring)."""
+
+    def __init__(self, kvstore: ts.KvStore, context: ts.Context, *, compression: str = "blosc-lz4"):
+        if compression not in CODECS:
+            raise ValueError(f"rollout store: compression {compression!r} is not one of {sorted(CODECS)}")
+        if kvstore.path and not kvstore.path.endswith("/"):
+            kvstore.path = kvstore.path + "/"
+        self.kvstore, self.context, self.compression = kvstore, context, compression
+
+    @classmethod
+    def open(cls, location: str | os.PathLike | Mapping[str, Any], *, context: ts.Context | None = None,
+             sync: bool = True, compression: str = "blosc-lz4") -> RolloutStore:
+        """Open a store at a URL (`file://`, `memory://`, `gs://`, `s3://`), a plain directory or a kvstore spec.
+
+        `sync=False` skips fsync on `file://` stores (benchmarks, scratch runs); `context` shares `memory://`
+        stores and caches between `RolloutStore` objects.
+        """
+        context = context if context is not None else ts.Context({"file_io_sync": bool(sync)})
+        spec = _location_spec(location)
+        try:
+            kvstore = ts.KvStore.open(spec, context=context).result()
+        except Exception as e:
+            raise ValueError(f"rollout store: cannot open {spec!r}: {e}") from e
+        return cls(kvstore, context, compression=compression)
+
+    @property
+    def url(self) -> str:
+        try:
+            return self.kvstore.url
+        except Exception:  # drivers without a URL form (a composed spec) have no `url`
+            return json.dumps(self.kvstore.spec().to_json(), sort_keys=True)
+
+    def __repr__(self) -> str:
+        return f"RolloutStore({self.url!r})"
+
+    def batch_url(self, version: int, batch_id: str) -> str:
+        base = self.url
+        return base + ("" if base.endswith("/") else "/") + batch_path(version, batch_id) + "/"
+
+    # ---------------------------------------------------------------- writing
+
+    def _metadata(self, dtype: str, length: int) -> dict[str, Any]:
+        codec = CODECS[self.compression]
+        codecs = [{"name": "bytes", "configuration": {"endian": "little"}} if np.dtype(dtype).itemsize > 1
+                  else {"name": "bytes"}]
+        if codec is not None:
+            codecs.append(codec(np.dtype(dtype).itemsize))
+        chunk = max(1, -(-length // max(1, -(-length // _CHUNK_ELEMENTS))))  # equal chunks, little padding
+        return {"shape": [length], "data_type": dtype, "fill_value": 0, "codecs": codecs,
+                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+                "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}}}  # name/0: no c/ dir
+
+    def write(self, batch: RolloutBatch, *, vocab_size: int | None = None) -> str:
+        """Validate and store `batch`; returns the sha256 written to `COMMIT`. A committed batch is never replaced."""
+        prefix = batch_path(batch.meta.version, batch.meta.batch_id) + "/"
+        where = prefix[:-1]
+        check_batch(batch, vocab_size)
+        arrays = batch.arrays()
+        meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs))
+        parse_meta(meta, where)  # the reader's checks of node_key, assignment_id, model_dtype, ...
+        digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in FIELDS]
+        existing = _result(self.kvstore.read(prefix + "COMMIT"), where, "COMMIT", "reading")
+        if existing.state != "missing":
+            raise RolloutStoreError(where, "COMMIT", "the batch is already committed; batch ids are written once")
+        _result(self.kvstore.delete_range(_prefix_range(prefix)), where, "batch", "clearing a partial write")
+        opened = {name: ts.open({"driver": "zarr3", "metadata": self._metadata(dtype, len(arrays[name]))},
+                                kvstore=self.kvstore / f"{prefix}{name}/", context=self.context, create=True)
+                  for name, dtype, _ in FIELDS}
+        writes = [self.kvstore.write(prefix + "meta.json", meta)]
+        for name in FIELD_NAMES:
+            store = _result(opened[name], where, name, "creating the array")
+            if len(arrays[name]):
+                writes.append(store.write(arrays[name]))
+        for name, future in zip(("meta.json",) + FIELD_NAMES, writes):
+            _result(future, where, name, "writing")
+        digest = _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], meta)
+        commit = self.kvstore.write(prefix + "COMMIT", digest.encode() + b"\n", if_equal=existing.stamp.generation)
+        stamp = _result(commit, where, "COMMIT", "writing")
+        if not stamp.generation:
+            raise RolloutStoreError(where, "COMMIT", "another writer committed this batch id at the same time")
+        return digest
+
+    # ---------------------------------------------------------------- reading
+
+    def commit(self, version: int, batch_id: str) -> str | None:
+        """The sha256 in a batch's `COMMIT`, or None when it has none (not written, or incomplete)."""
+        prefix = batch_path(version, batch_id) + "/"
+        got = _result(self.kvstore.read(prefix + "COMMIT"), prefix[:-1], "COMMIT", "reading")
+        if got.state == "missing":
+            return None
+        match = _COMMIT.fullmatch(got.value)
+        if not match:
+            raise RolloutStoreError(prefix[:-1], "COMMIT", f"not 64 lowercase hex digits: {got.value[:80]!r}")
+        return match.group(1).decode()
+
+    def read(self, version: int, batch_id: str, *, vocab_size: int | None = None, expect_sha256: str | None = None,
+             max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> RolloutBatch:
+        """Read, verify and validate a committed batch (module docstring); `RolloutStoreError` otherwise.
+
+        `expect_sha256`: the digest the validator accepted; a batch committed with any other digest is refused.
+        """
+        prefix = batch_path(version, batch_id) + "/"
+        where = prefix[:-1]
+        digest = self.commit(version, batch_id)
+        if digest is None:
+            raise RolloutStoreError(where, "COMMIT", "missing: the batch was never committed (or is being written)")
+        if expect_sha256 is not None and digest != expect_sha256:
+            raise RolloutStoreError(where, "COMMIT", f"sha256 {digest} differs from the accepted {expect_sha256}")
+        raw = _result(self.kvstore.read(prefix + "meta.json"), where, "meta.json", "reading")
+        if raw.state == "missing":
+            raise RolloutStoreError(where, "meta.json", "missing")
+        meta, counts = parse_meta(raw.value, where)
+        if (meta.version, meta.batch_id) != (int(version), batch_id):
+            raise RolloutStoreError(where, "meta.json", f"describes v{meta.version:06d}/{meta.batch_id}, "
+                                    "not the batch at this path")
+        lengths = expected_lengths(counts)
+        declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in FIELDS)
+        if declared > max_batch_bytes:
+            raise RolloutStoreError(where, "meta.json", f"declares {declared} bytes of arrays, more than the "
+                                    f"reader's limit of {max_batch_bytes}")
+        opened = {name: ts.open({"driver": "zarr3"}, kvstore=self.kvstore / f"{prefix}{name}/", context=self.context,
+                                open=True, read=True) for name in FIELD_NAMES}
+        reads = {}
+        for name, dtype, _ in FIELDS:
+            store = _result(opened[name], where, name, "opening the array")
+            if store.dtype.numpy_dtype != np.dtype(dtype) or store.rank != 1:
+                raise RolloutStoreError(where, name, f"stored as {store.dtype.numpy_dtype} rank {store.rank}, "
+                                        f"the schema says 1-D {dtype}")
+            if store.domain.inclusive_min != (0,) or store.shape != (lengths[name],):
+                raise RolloutStoreError(where, name, f"stored with domain {store.domain}, meta.json implies "
+                                        f"length {lengths[name]}")
+            chunk = store.chunk_layout.read_chunk.shape
+            if chunk is None or chunk[0] > max(lengths[name], _MAX_CHUNK_ELEMENTS):
+                raise RolloutStoreError(where, name, f"chunk shape {chunk} is larger than the reader accepts")
+            reads[name] = store.read()
+        arrays, digests = {}, []
+        for name, dtype, _ in FIELDS:  # hash each field as soon as it is decoded, while the others still load
+            arrays[name] = np.asarray(_result(reads[name], where, name, "reading"))
+            digests.append(_HASH_POOL.submit(_field_digest, arrays[name], dtype))
+        actual = _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], raw.value)
+        if actual != digest:
+            raise RolloutStoreError(where, "COMMIT", f"the batch's canonical sha256 is {actual}, COMMIT says {digest} "
+                                    "(the stored bytes were altered or are incomplete)")
+        batch = RolloutBatch(meta=meta, **{name: arrays[name].astype(dtype, copy=False) for name, dtype, _ in FIELDS})
+        check_batch(batch, vocab_size)
+        return batch
+
+    # ---------------------------------------------------------------- listing and retention
+
+    def _keys(self) -> list[tuple[int, str, BatchRef | None]]:
+        """(version, key, the batch if the key is its COMMIT) of every key under a `v{version:06d}/` directory."""
+        out = []
+        for raw in _result(self.kvstore.list(ts.KvStore.KeyRange(b"v", b"w")), self.url, "listing", "listing"):
+            key = raw.decode("utf-8", "replace")
+            top = key.split("/", 1)[0]
+            if not _VERSION_DIR.fullmatch(top) or top != f"v{int(top[1:]):06d}":
+                continue  # not a name this store writes
+            match = _COMMIT_KEY.fullmatch(key)
+            commit = match and _BATCH_ID.fullmatch(match.group(2))
+            out.append((int(top[1:]), key, BatchRef(int(top[1:]), match.group(2)) if commit else None))
+        return out
+
+    def list(self, min_version: int = 0, max_version: int | None = None) -> list[BatchRef]:
+        """Committed batches with min_version <= version <= max_version, newest version first (ids ascending).
+
+        Committed means that `COMMIT` exists; its digest is verified by `read`, not here."""
+        refs = [ref for version, _, ref in self._keys() if ref is not None and version >= min_version
+                and (max_version is None or version <= max_version)]
+        return sorted(refs, key=lambda r: (-r.version, r.batch_id))
+
+    def prune(self, before_version: int) -> list[BatchRef]:
+        """Delete every batch (committed or partial) of a version < `before_version`; returns the committed ones.
+
+        Each version's `COMMIT` files go first, so a reader never sees a committed batch with missing parts.
+        """
+        old = [(version, key, ref) for version, key, ref in self._keys() if version < before_version]
+        committed = [(ref, key) for _, key, ref in old if ref is not None]
+        for ref, key in committed:
+            _result(self.kvstore.write(key, None), ref.path, "COMMIT", "deleting")
+        for top in sorted({f"v{version:06d}" for version, _, _ in old}):
+            _result(self.kvstore.delete_range(_prefix_range(top + "/")), top, "version", "deleting")
+            self._remove_empty_dirs(top)
+        return sorted((ref for ref, _ in committed), key=lambda r: (-r.version, r.batch_id))
+
+    def _remove_empty_dirs(self, top: str) -> None:
+        """The file driver deletes files but may leave their directories; remove those that are empty."""
+        spec = self.kvstore.spec().to_json()
+        if spec.get("driver") != "file":
+            return
+        root = Path(spec.get("path", "")) / top
+        if not root.is_dir():
+            return
+        for dirpath, _, _ in sorted(os.walk(root), key=lambda d: -len(d[0])):
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass  # not empty: something this store did not write is in it
+
+
+def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
+    """All keys starting with `prefix` (which ends with "/": the next byte value closes the range)."""
+    return ts.KvStore.KeyRange(prefix.encode(), prefix[:-1].encode() + bytes([ord(prefix[-1]) + 1]))
+
