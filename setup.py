@@ -51,6 +51,8 @@ DEV = [
     "pytest>=8",
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
+    "schemathesis>=4",  # fuzzes the orchestrator's OpenAPI document
+    "pyarrow>=15",  # parquet: task files, and the rollout-store benchmark's reference
 ]
 
 setup(
