@@ -42,7 +42,8 @@ class Command:
 
 COMMANDS = (
     Command("run", "every role on this machine, for demos and single-box runs", issue=9, takes_config=True),
-    Command("train", "the JAX learner (multi-host: one process per host)", issue=3, takes_config=True),
+    Command("train", "the JAX learner (multi-host: one process per host)", module="intellect.train",
+            takes_config=True),
     Command("worker", "a rollout worker: vLLM generation with TOPLOC proofs", issue=8, takes_config=True),
     Command("validator", "a validator: prefill, TOPLOC and rollout checks", issue=8, takes_config=True),
     Command("orchestrator", "the coordination service (HTTP API)", module="orchestrator.cli", takes_config=True),

@@ -95,6 +95,14 @@ class TrainerConfig(Section):
     """This process's index in a multi-host learner (None: auto-detect)."""
     batch_timeout_s: float = Field(600.0, gt=0)
     """Longest wait for a step's rollouts before the learner gives up with an error."""
+    micro_batches: int | None = Field(None, gt=0)
+    """Fixed micro-batches per step (padded with empty rows) so the step compiles once; None: as many as needed."""
+    accepted_from: Literal["orchestrator", "store"] = "orchestrator"
+    """Source of accepted batches: the orchestrator (validators' rewards), or every stored batch (trusted box)."""
+    rollout_store: str | None = None
+    """Rollout store URL or path (file://, gs://, s3://, memory://); None: run.dir/rollouts."""
+    rollout_keep_versions: int | None = Field(None, gt=0)
+    """Delete stored rollouts of versions older than this many below the current step (None: keep all)."""
     steps: int = Field(1000, gt=0)
     """Optimizer steps to train for; the final policy is version `steps`."""
     async_level: int = Field(2, ge=0)

@@ -375,3 +375,18 @@ class RolloutPipeline:
         self.close()
         self._consumed, self._floor = consumed, floor
         self._totals, self._counts = collections.Counter(totals), collections.Counter()
+
+
+class OrchestratorListing:
+    """Accepted batches as the orchestrator lists them (`GET /v1/batches?status=accepted&min_version=`), with
+    the validators' per-sample rewards and the digest each validator checked. `client` is a
+    `bridge.protocol.OrchestratorClient` holding the operator token. The batches are read from the pipeline's
+    own store (one store per run)."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def accepted(self, min_version: int) -> list[AcceptedBatch]:
+        records = self.client.batches("accepted", min_version=min_version).batches
+        return [AcceptedBatch(r.batch_id, r.version, None if r.rewards is None else np.asarray(r.rewards, np.float32),
+                              r.sha256) for r in records]

@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.toml"
 ALL_COMMANDS = ["run", "train", "worker", "validator", "orchestrator", "shardcast", "export", "import", "eval",
                 "sft", "plot", "config", "make-tiny-model", "parity"]
-UNBUILT = {"run": 9, "eval": 9, "sft": 9, "plot": 9, "train": 3, "export": 3, "import": 3, "worker": 8,
-           "validator": 8, "orchestrator": 7, "shardcast": 6}
+# commands still waiting for their issue (the table shrinks as issues land)
+UNBUILT = {c.name: c.issue for c in cli.COMMANDS if c.issue is not None}
 
 
 @pytest.fixture(autouse=True)
@@ -66,9 +66,9 @@ def test_unbuilt_command_exits_2_and_names_its_issue(capsys, name, issue):
 
 
 def test_unbuilt_command_as_a_process():
-    result = intellect("train", "configs/demo.toml")
+    result = intellect("run", "configs/demo.toml")
     assert result.returncode == 2
-    assert 'issue #3 "GRPO learner in JAX"' in result.stderr and result.stdout == ""
+    assert 'issue #9 "intellect run: the whole system on one machine"' in result.stderr and result.stdout == ""
 
 
 def test_config_show_round_trips(tmp_path, capsys):

@@ -1,0 +1,87 @@
+"""`intellect train CONFIG [--section.key value ...]`: the JAX learner.
+
+Starts (or joins, multi-host) the process group, builds the mesh, and either resumes from the newest
+checkpoint in `run.dir/checkpoints` or loads the base model `model.path`; then trains on the accepted rollouts
+of the rollout store (`RolloutPipeline`), exporting `run.dir/weights/v{n:06d}` and announcing each version.
+
+Where accepted batches come from (`trainer.accepted_from`):
+- `orchestrator`: `GET /v1/batches?status=accepted` of `worker.orchestrator_url` with the operator token
+  (`orchestrator.admin_token`), with the validators' rewards; new versions are announced with `POST /v1/policy`.
+- `store`: every committed batch of the store, with the workers' own rewards: a trusted single box only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", type=Path, nargs="?", default=None, help="TOML recipe")
+
+
+def build_learner(cfg):
+    """(learner, initial params or None when resuming) for a resolved config."""
+    from flax import nnx
+
+    from bridge.rollouts import RolloutStore
+    from intellect.learner_setup import (
+        abstract_from_hf_config, init_distributed, load_base, mesh_from_config, trainer_for,
+    )
+    from jax_trainer.checkpoint import Checkpointer
+    from jax_trainer.data import RolloutPipeline, StoreListing
+    from jax_trainer.learner import Learner, LearnerSettings
+
+    init_distributed(cfg)
+    run_dir = Path(cfg.run.dir)
+    mesh = mesh_from_config(cfg)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+    params = None
+    if ckpt.latest_step() is not None:
+        _, meta = ckpt.read_meta()
+        base_dir = Path(meta["base_model"])
+        model = abstract_from_hf_config(cfg, meta["hf_config"])
+    else:
+        base_dir = Path(cfg.model.path)
+        model = load_base(cfg, base_dir, mesh)
+        params = nnx.split(model)[1]
+    reference = load_base(cfg, base_dir, mesh) if cfg.loss.kl_coef else None
+    trainer = trainer_for(cfg, model, mesh, reference)
+
+    store = RolloutStore.open(cfg.trainer.rollout_store or str(run_dir / "rollouts"))
+    announce = None
+    if cfg.trainer.accepted_from == "orchestrator":
+        from bridge.protocol import OrchestratorClient
+        from jax_trainer.data import OrchestratorListing
+
+        client = OrchestratorClient(cfg.worker.orchestrator_url, admin_token=cfg.orchestrator.admin_token)
+        accepted = OrchestratorListing(client)
+
+        def announce(version: int, _path: Path) -> None:
+            client.announce_policy(version, learner_step=version)
+    else:
+        accepted = StoreListing(store, trust_worker_rewards=True)
+    t = cfg.trainer
+    samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    source = RolloutPipeline(
+        store, accepted, samples_per_step=samples, rows=t.micro_batch_size, seq_len=cfg.model.max_seq_len,
+        multiple_of=t.steps_per_batch, micro_batches=t.micro_batches, truncate=t.truncate,
+        advantage_mode="std" if cfg.loss.std_normalize else "mean", async_level=t.async_level,
+        keep_versions=t.rollout_keep_versions)
+    settings = LearnerSettings(steps=t.steps, async_level=t.async_level, export_interval=t.export_interval,
+                               checkpoint_interval=t.checkpoint_interval, export_dtype=t.export_dtype,
+                               batch_timeout_s=t.batch_timeout_s)
+    learner = Learner(trainer, source, run_dir, base_dir, settings, ckpt, announce=announce)
+    return learner, params
+
+
+def run(args: argparse.Namespace) -> int:
+    from intellect.cli import config_from_args
+
+    cfg = config_from_args(args)
+    logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    learner, params = build_learner(cfg)
+    state = learner.run(params)
+    print(f"intellect train: finished at version {int(state.step)}; weights in {learner.weights_dir}")
+    return 0
