@@ -387,6 +387,6 @@ class OrchestratorListing:
         self.client = client
 
     def accepted(self, min_version: int) -> list[AcceptedBatch]:
-        records = self.client.batches("accepted", min_version=min_version).batches
+        records, _ = self.client.all_batches("accepted", min_version=min_version)
         return [AcceptedBatch(r.batch_id, r.version, None if r.rewards is None else np.asarray(r.rewards, np.float32),
                               r.sha256) for r in records]

@@ -1,0 +1,343 @@
+"""The orchestrator service: `create_app(cfg)` is the FastAPI application (DESIGN section 8).
+
+Handlers are coroutines that call the database synchronously, so each request's reads and writes run without
+interleaving with another's: the scheduler's decisions (pacing, claims, k counters) and its in-memory caches
+need no locks. The price is that a slow query holds the event loop: with SQLite a transaction takes tens of
+microseconds, because the fsync that makes it durable runs in a thread before the reply leaves
+(`durability.py`). CPU-heavy work (checking a compute challenge) runs in a thread too. Run one process per
+database.
+
+Every clock reading goes through the injected `clock` (unix seconds), so tests drive liveness, leases and
+signature windows with a fake one.
+"""
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import Body, Depends, FastAPI, HTTPException, Path as PathParam, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from sqlalchemy.orm import sessionmaker
+
+from bridge.protocol import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT, PROTOCOL_VERSION,
+                             BanRequest, BatchAnnouncement, BatchList, BatchRecord, BatchStatus, ClaimRequest,
+                             ClaimResponse, Health, HeartbeatRequest, HeartbeatResponse, Ledger, NodeInfo, NodeList,
+                             PolicyAnnouncement, PolicyInfo, PoolRequirements, RegisterRequest, RegisterResponse,
+                             Verdict, solve_challenge)
+from intellect.config import Config
+from orchestrator import dashboard
+from orchestrator.auth import Authenticator, RateLimiter
+from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
+from orchestrator.durability import WalSync
+from orchestrator.ledger import build_ledger, ledger_csv
+from orchestrator.metrics import Metrics
+from orchestrator.nodes import LiveNode, NodeRegistry
+from orchestrator.scheduler import WorkScheduler
+
+log = logging.getLogger("orchestrator")
+
+
+class Orchestrator:
+    """Everything one service instance holds: storage, the node registry, the work scheduler, auth, metrics."""
+
+    def __init__(self, cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None):
+        oc = cfg.orchestrator
+        self.clock = clock
+        self.run_name = cfg.run.name
+        if database_url is None and oc.database_url is None:
+            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        self.engine = open_database(database_url or oc.database_url or sqlite_url(cfg.run.db_path))
+        self.db = sessionmaker(self.engine, expire_on_commit=False)
+        self.wal = WalSync(self.engine.url.database, self.db) if self.engine.dialect.name == "sqlite" else None
+        self.requirements = PoolRequirements(min_gpus=oc.min_gpus, min_gpu_memory_gib=oc.min_gpu_memory_gib,
+                                             allow_cpu_nodes=oc.allow_cpu_nodes, challenge_size=oc.challenge_size,
+                                             heartbeat_interval_s=oc.heartbeat_interval_s)
+        self.registry = NodeRegistry(self.db, self.requirements, oc.unhealthy_after_s, oc.dead_after_s,
+                                     oc.challenge_timeout_s, clock)
+        relays = cfg.shardcast.relays or [f"http://{cfg.shardcast.host}:{cfg.shardcast.port}"]
+        self.scheduler = WorkScheduler(
+            self.db, self.registry, async_level=cfg.trainer.async_level, prompts_per_step=cfg.data.prompts_per_step,
+            prompts_per_assignment=oc.prompts_per_assignment, samples_per_prompt=cfg.data.samples_per_prompt,
+            max_inflight_per_node=oc.max_inflight_per_node, num_tasks=oc.num_tasks, claim_lease_s=oc.claim_lease_s,
+            ban_after_rejections=oc.ban_after_rejections, rejection_window_s=oc.rejection_window_s,
+            default_relays=relays, clock=clock)
+        self.auth = Authenticator(oc.max_clock_skew_s, oc.admin_token, clock)
+        self.limiter = RateLimiter(oc.submit_rate_per_min, oc.submit_burst, clock)
+        self.metrics = Metrics(self)
+        self.max_body_bytes = oc.max_body_bytes
+        self.heartbeat_interval_s = oc.heartbeat_interval_s
+        self.sweep_interval_s = min(1.0, oc.heartbeat_interval_s / 2)
+        self.started = clock()
+
+    def sweep(self, flush: bool = False) -> None:
+        """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
+        now), and forgetting expired nonces."""
+        for key in self.registry.sweep(flush):
+            log.warning("node %s... is dead; its open assignments are released", key[:16])
+        self.auth.nonces.prune(self.clock())
+
+    def close(self) -> None:
+        self.sweep(flush=True)
+        self.engine.dispose()
+
+
+def _limit_body(app: Callable, max_bytes: int) -> Callable:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before any handler sees it."""
+
+    async def refuse(send, status: int = 413,
+                     detail: str = f"request body over the limit of {max_bytes} bytes (orchestrator.max_body_bytes)"
+                     ) -> None:
+        body = json.dumps({"detail": detail}).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def guarded(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit():
+            return await refuse(send, 400, "Content-Length is not a number")
+        if int(length) > max_bytes:
+            return await refuse(send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > max_bytes:
+                return await refuse(send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        return await app(scope, replay, send)
+
+    return guarded
+
+
+_ERRORS = {401: {"description": "signature missing, malformed, stale, replayed or wrong"},
+           403: {"description": "unknown, banned, not admitted, or wrong role"},
+           413: {"description": "body over orchestrator.max_body_bytes"},
+           422: {"description": "a field failed validation; `detail` names it"}}
+
+# Security schemes of the OpenAPI document; the checks themselves are in auth.py.
+_SIGNED = {"NodeKey": "hex ed25519 public key of the node",
+           "Timestamp": "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
+           "Nonce": "16-64 random lowercase hex characters, used once",
+           "Signature": "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"}
+_HEADERS = dict(zip(_SIGNED, (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)))
+_SIGNED_ROUTE = {"security": [{name: [] for name in _SIGNED}]}
+_ADMIN_ROUTE = {"security": [{"AdminToken": []}]}
+_LEARNER_OPTIONAL = {"security": [{}, {"AdminToken": []}]}
+
+
+def _reply(model: BaseModel) -> Response:
+    """A reply serialized once (FastAPI would validate a returned model against response_model again)."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:
+    """The service on `cfg` (storage: `database_url`, else orchestrator.database_url, else run.dir's SQLite)."""
+    svc = Orchestrator(cfg, clock, database_url)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        async def sweeper() -> None:
+            while True:
+                await asyncio.sleep(svc.sweep_interval_s)
+                try:
+                    svc.sweep()
+                except Exception:  # a failed sweep is retried at the next tick; the service stays up
+                    log.exception("sweep failed")
+
+        task = asyncio.create_task(sweeper())
+        try:
+            yield
+        finally:
+            task.cancel()
+            if svc.wal is not None:
+                await svc.wal.close()
+            svc.close()
+
+    app = FastAPI(title="intellect orchestrator", version=str(PROTOCOL_VERSION), lifespan=lifespan,
+                  description="Admission, heartbeats, deterministic work, verdicts and the contribution ledger of a "
+                              "decentralized RL run (DESIGN section 8). Node routes are signed with ed25519.")
+    app.state.orchestrator = svc
+
+    async def signed(request: Request) -> str:
+        h = request.headers
+        return await svc.auth.verify(request, h.get(HEADER_KEY), h.get(HEADER_TIMESTAMP), h.get(HEADER_NONCE),
+                                     h.get(HEADER_SIGNATURE))
+
+    async def new_node(request: Request) -> str:
+        key = await signed(request)
+        svc.registry.check_known(key, allow_unknown=True)
+        return key
+
+    def role(required: str | None) -> Callable:
+        async def known(request: Request) -> tuple[str, LiveNode]:
+            key = await signed(request)
+            node = svc.registry.check_known(key)
+            if required is not None and node.role != required:
+                raise HTTPException(403, f"this route is for {required}s; node {key[:16]}... is a {node.role}")
+            return key, node
+
+        return known
+
+    def admin(request: Request) -> None:
+        svc.auth.require_admin(request)
+
+    def maybe_learner(request: Request) -> bool:
+        return svc.auth.is_admin(request)
+
+    @app.get("/healthz", response_model=Health, tags=["public"])
+    async def healthz() -> Health:
+        return Health(status="ok", protocol=PROTOCOL_VERSION, schema_version=SCHEMA_VERSION,
+                      uptime_s=svc.clock() - svc.started)
+
+    @app.get("/v1/policy", response_model=PolicyInfo, tags=["public"])
+    async def get_policy() -> PolicyInfo:
+        return svc.scheduler.policy
+
+    @app.post("/v1/nodes/register", response_model=RegisterResponse, responses=_ERRORS, tags=["nodes"],
+              openapi_extra=_SIGNED_ROUTE)
+    async def register(body: RegisterRequest, key: Annotated[str, Depends(new_node)]) -> Response:
+        solved = None
+        seed = svc.registry.pending_challenge(key) if body.challenge_answer is not None else None
+        if seed is not None:
+            solved = (seed, await asyncio.to_thread(solve_challenge, seed, svc.requirements.challenge_size))
+        status, reasons, challenge = svc.registry.register(key, body.role, body.hardware, body.challenge_answer,
+                                                           solved)
+        if status == "refused":
+            log.info("registration of %s... refused: %s", key[:16], "; ".join(reasons))
+        return _reply(RegisterResponse(status=status, node_key=key, reasons=reasons, requirements=svc.requirements,
+                                       challenge=challenge, policy=svc.scheduler.policy))
+
+    @app.post("/v1/nodes/heartbeat", response_model=HeartbeatResponse, responses=_ERRORS, tags=["nodes"],
+              openapi_extra=_SIGNED_ROUTE)
+    async def heartbeat(body: HeartbeatRequest, node: Annotated[tuple, Depends(role(None))]) -> Response:
+        key, _ = node
+        live = svc.registry.heartbeat(key, dict(body.metrics))
+        work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
+        return _reply(HeartbeatResponse(state=live.state, policy=svc.scheduler.policy, assignments=work,
+                                        heartbeat_interval_s=svc.heartbeat_interval_s))
+
+    @app.post("/v1/batches", response_model=BatchRecord, responses={**_ERRORS, 409: {"description": "conflict"},
+                                                                     429: {"description": "rate limited"}},
+              tags=["work"], openapi_extra=_SIGNED_ROUTE)
+    async def announce(body: BatchAnnouncement, node: Annotated[tuple, Depends(role("worker"))]) -> Response:
+        svc.limiter.take(node[0])
+        return _reply(svc.scheduler.announce(node[0], body))
+
+    @app.post("/v1/validation/claim", response_model=ClaimResponse, responses=_ERRORS, tags=["work"],
+              openapi_extra=_SIGNED_ROUTE)
+    async def claim(node: Annotated[tuple, Depends(role("validator"))],
+                    body: Annotated[ClaimRequest, Body()] = ClaimRequest()) -> Response:
+        record, expires = svc.scheduler.claim(node[0], body.lease_s)
+        return _reply(ClaimResponse(batch=record, lease_expires_at=expires))
+
+    @app.post("/v1/batches/{batch_id}/verdict", response_model=BatchRecord,
+              responses={**_ERRORS, 404: {"description": "no such batch"}, 409: {"description": "not your claim"}},
+              tags=["work"], openapi_extra=_SIGNED_ROUTE)
+    async def verdict(batch_id: Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")],
+                      body: Verdict, node: Annotated[tuple, Depends(role("validator"))]) -> Response:
+        record, new = svc.scheduler.verdict(node[0], batch_id, body)
+        if new:
+            svc.metrics.validation_lag.observe(max(0.0, record.verdict_at - record.announced_at))
+        return _reply(record)
+
+    @app.get("/v1/batches", response_model=BatchList, responses=_ERRORS, tags=["work"],
+             openapi_extra=_LEARNER_OPTIONAL)
+    async def list_batches(learner: Annotated[bool, Depends(maybe_learner)], status: BatchStatus = "accepted",
+                           min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+                           after: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
+        """Batches by status; with the admin token (the learner) accepted batches count as delivered."""
+        records, cursor = svc.scheduler.batches(status, min_version, after, limit, learner)
+        return _reply(BatchList(batches=records, next_after=cursor))
+
+    @app.post("/v1/policy", response_model=PolicyInfo, responses={**_ERRORS, 409: {"description": "older version"}},
+              dependencies=[Depends(admin)], tags=["admin"], openapi_extra=_ADMIN_ROUTE)
+    async def announce_policy(body: PolicyAnnouncement) -> Response:
+        return _reply(svc.scheduler.announce_policy(body))
+
+    @app.get("/v1/nodes", response_model=NodeList, responses=_ERRORS, dependencies=[Depends(admin)], tags=["admin"],
+             openapi_extra=_ADMIN_ROUTE)
+    async def list_nodes() -> Response:
+        with svc.db() as s:
+            return _reply(NodeList(nodes=svc.registry.info(s)))
+
+    @app.post("/v1/nodes/{node_key}/ban", response_model=NodeInfo,
+              responses={**_ERRORS, 404: {"description": "unknown node"}}, dependencies=[Depends(admin)],
+              tags=["admin"], openapi_extra=_ADMIN_ROUTE)
+    async def ban(node_key: Annotated[str, PathParam(pattern=r"^[0-9a-f]{64}$")], body: BanRequest) -> Response:
+        svc.registry.ban(node_key, body.reason)
+        log.warning("node %s... banned by an operator: %s", node_key[:16], body.reason)
+        with svc.db() as s:
+            return _reply(svc.registry.info(s, [node_key])[0])
+
+    @app.get("/v1/ledger", response_model=Ledger, tags=["public"],
+             responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}})
+    async def ledger(format: Literal["json", "csv"] = "json") -> Response:
+        with svc.db() as s:
+            data = build_ledger(s, svc.registry, svc.clock())
+        if format == "csv":
+            return PlainTextResponse(ledger_csv(data), media_type="text/csv")
+        return _reply(data)
+
+    @app.get("/metrics", response_class=PlainTextResponse, tags=["public"])
+    async def metrics() -> Response:
+        return Response(svc.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/", response_class=HTMLResponse, tags=["public"])
+    async def index() -> HTMLResponse:
+        with svc.db() as s:
+            nodes = svc.registry.info(s)
+            data = build_ledger(s, svc.registry, svc.clock())
+        return HTMLResponse(dashboard.render(svc, svc.scheduler.policy, nodes, data))
+
+    app.openapi = functools.partial(_openapi, app)
+    if svc.wal is not None:
+        app.add_middleware(_Middleware, wrap=svc.wal.middleware)
+    app.add_middleware(_Middleware, wrap=svc.metrics.middleware)
+    app.add_middleware(_Middleware, wrap=lambda inner: _limit_body(inner, svc.max_body_bytes))
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """The generated document plus the security schemes the routes name (signature headers, admin token)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemes = {name: {"type": "apiKey", "in": "header", "name": _HEADERS[name], "description": text}
+                   for name, text in _SIGNED.items()}
+        schemes["AdminToken"] = {"type": "http", "scheme": "bearer", "description": "orchestrator.admin_token"}
+        schema.setdefault("components", {})["securitySchemes"] = schemes
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+class _Middleware:
+    """Adapts a function `wrap(asgi_app) -> asgi_app` to Starlette's `add_middleware`."""
+
+    def __init__(self, app: Callable, wrap: Callable[[Callable], Callable]):
+        self.app = wrap(app)
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)

@@ -1,0 +1,140 @@
+"""Who may call what: signed node requests (DESIGN section 8), the admin bearer token, and the per-node rate
+limit on batch announcements.
+
+A signed request is refused with 401 when a header is missing or malformed, the timestamp is more than
+`max_clock_skew_s` off the service's clock, the nonce was seen within that window, or the signature does not
+verify; and with 403 when the (authentic) key is unknown or banned, which the caller checks after `verify`.
+
+Replays across a restart: the nonce cache lives in memory, so a request signed before the service started is
+refused ("signed before the service started"); a client re-signs every retry, so it only has to retry.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import HTTPException, Request
+
+from bridge.protocol import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature
+
+_KEY = re.compile(r"[0-9a-f]{64}")
+_SIGNATURE = re.compile(r"[0-9a-f]{128}")
+_NONCE = re.compile(r"[0-9a-f]{16,64}")
+_TIMESTAMP = re.compile(r"[0-9]{1,16}")
+
+
+def unauthorized(reason: str) -> HTTPException:
+    return HTTPException(401, reason, headers={"WWW-Authenticate": "ed25519-signature"})
+
+
+class NonceCache:
+    """Nonces seen within the clock-skew window; each is forgotten once its timestamp could no longer pass."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[str, float] = {}
+
+    def add(self, nonce: str, expires: float) -> bool:
+        """False if `nonce` is already held (a replay)."""
+        if nonce in self._expiry:
+            return False
+        self._expiry[nonce] = expires
+        return True
+
+    def prune(self, now: float) -> None:
+        self._expiry = {n: t for n, t in self._expiry.items() if t > now}
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+
+class Authenticator:
+    def __init__(self, max_skew_s: float, admin_token: str | None, clock: Callable[[], float]):
+        self.max_skew_s = max_skew_s
+        self.admin_token = admin_token
+        self.clock = clock
+        self.started = clock()
+        self.nonces = NonceCache()
+
+    async def verify(self, request: Request, key: str | None, stamp: str | None, nonce: str | None,
+                     signature: str | None) -> str:
+        """The hex key of the node that signed `request` (the four header values given); 401 otherwise."""
+        values = {HEADER_KEY: key, HEADER_TIMESTAMP: stamp, HEADER_NONCE: nonce, HEADER_SIGNATURE: signature}
+        missing = [name for name, value in values.items() if not value]
+        if missing:
+            raise unauthorized(f"missing signature header(s): {', '.join(missing)}")
+        for name, value, pattern, what in ((HEADER_KEY, key, _KEY, "64 lowercase hex characters"),
+                                           (HEADER_TIMESTAMP, stamp, _TIMESTAMP, "unix milliseconds"),
+                                           (HEADER_NONCE, nonce, _NONCE, "16 to 64 lowercase hex characters"),
+                                           (HEADER_SIGNATURE, signature, _SIGNATURE, "128 lowercase hex characters")):
+            if not pattern.fullmatch(value):
+                raise unauthorized(f"malformed {name}: expected {what}")
+        now = self.clock()
+        skew = int(stamp) / 1000 - now
+        if abs(skew) > self.max_skew_s:
+            raise unauthorized(f"{HEADER_TIMESTAMP} is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} "
+                               f"the service's clock (at most {self.max_skew_s:g} s allowed): sync the clock")
+        if (int(stamp) + 1) / 1000 < self.started:  # +1: the timestamp is truncated to the millisecond
+            raise unauthorized("request signed before the service started; sign it again")
+        target = (request.scope.get("raw_path") or request.scope["path"].encode()).decode("latin-1")
+        query = request.scope["query_string"].decode("latin-1")
+        if query:
+            target += "?" + query
+        body = await request.body()
+        if not verify_signature(key, signature, request.method, target, stamp, nonce, body):
+            raise unauthorized(f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
+                               "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)")
+        if not self.nonces.add(nonce, now + 2 * self.max_skew_s):
+            raise unauthorized(f"replayed request: {HEADER_NONCE} {nonce} was already used")
+        return key
+
+    def is_admin(self, request: Request) -> bool:
+        """True for a valid bearer token, False without an Authorization header; 401/403 for a wrong one."""
+        header = request.headers.get("Authorization")
+        if header is None:
+            return False
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HTTPException(401, "Authorization must be 'Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"})
+        if self.admin_token is None:
+            raise HTTPException(403, "admin routes are disabled: set orchestrator.admin_token")
+        if not hmac.compare_digest(token.encode(), self.admin_token.encode()):
+            raise HTTPException(403, "wrong admin token")
+        return True
+
+    def require_admin(self, request: Request) -> None:
+        if not self.is_admin(request):
+            raise HTTPException(401, "admin route: send 'Authorization: Bearer <admin token>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class RateLimiter:
+    """A token bucket per node: `rate_per_min` on average, `burst` at once."""
+
+    def __init__(self, rate_per_min: float, burst: int, clock: Callable[[], float]):
+        self.rate = rate_per_min / 60.0
+        self.burst = burst
+        self.clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, key: str) -> None:
+        """Spend one token of `key`'s bucket; raises 429 with Retry-After when it is empty."""
+        now = self.clock()
+        bucket = self._buckets.setdefault(key, _Bucket(float(self.burst), now))
+        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.updated) * self.rate)
+        bucket.updated = now
+        if bucket.tokens < 1:
+            wait = (1 - bucket.tokens) / self.rate
+            raise HTTPException(429, f"rate limit: at most {self.rate * 60:g} batch announcements per minute "
+                                     f"(burst {self.burst}); retry in {wait:.1f} s",
+                                headers={"Retry-After": str(math.ceil(wait))})
+        bucket.tokens -= 1

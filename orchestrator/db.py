@@ -1,0 +1,154 @@
+"""The orchestrator's storage: SQLAlchemy models, and opening a database with its schema version checked.
+
+SQLite (the default, a file in the run directory) runs in WAL mode with `synchronous=NORMAL`: a committed
+transaction survives a crash of the process at once, and the service answers a request that wrote only after
+an fsync of the WAL (group commit, `orchestrator/durability.py`), so an acknowledged record also survives a
+crash of the machine. PostgreSQL works through a URL (`postgresql+psycopg://user@host/db`, with a driver
+installed); it makes its own commits durable.
+
+One table holds the work: an assignment row gets its batch's fields when the worker announces the batch
+(a batch is the output of exactly one assignment, DESIGN section 6), and the verdict's when a validator judges
+it. Its `state` is the life of that work:
+
+    open --announce--> submitted --verdict--> accepted | rejected
+    open --node dead or banned--> lost --announce (the node came back with the batch)--> submitted
+
+Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
+new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
+refuses, with a message saying what to do, a database it cannot upgrade or one written by a newer release.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from sqlalchemy import (JSON, BigInteger, Boolean, Connection, Engine, Float, ForeignKey, Index, Integer, String,
+                        Text, UniqueConstraint, create_engine, event, inspect, select, text)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+# MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+OPEN, SUBMITTED, ACCEPTED, REJECTED, LOST = "open", "submitted", "accepted", "rejected", "lost"
+
+
+class SchemaError(RuntimeError):
+    """A database this release cannot use as it is; the message says why and what to do."""
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SchemaInfo(Base):
+    __tablename__ = "schema_info"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))  # pending (challenge unanswered), healthy, unhealthy, dead
+    banned: Mapped[bool] = mapped_column(Boolean, default=False)
+    ban_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    banned_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    hardware: Mapped[dict] = mapped_column(JSON)
+    first_seen: Mapped[float] = mapped_column(Float)
+    last_seen: Mapped[float] = mapped_column(Float)
+    challenge_seed: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    challenge_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Policy(Base):
+    __tablename__ = "policy"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    learner_step: Mapped[int] = mapped_column(Integer)
+    relays: Mapped[list] = mapped_column(JSON)
+    announced_at: Mapped[float] = mapped_column(Float)
+
+
+class Work(Base):
+    """An assignment and, once announced, its batch and verdict."""
+
+    __tablename__ = "assignments"
+    __table_args__ = (UniqueConstraint("node_key", "version", "k"), Index("ix_work_state_version", "state", "version"),
+                      Index("ix_work_node_state", "node_key", "state"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
+    version: Mapped[int] = mapped_column(Integer)
+    k: Mapped[int] = mapped_column(Integer)  # the node's k-th assignment at this version (DESIGN section 8)
+    prompts: Mapped[int] = mapped_column(Integer)
+    samples_per_prompt: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    issued_at: Mapped[float] = mapped_column(Float)
+    lost_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The batch, from the worker's announcement.
+    batch_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    store_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    num_samples: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    num_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    announced_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Validation.
+    claimed_by: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    lease_expires: Mapped[float | None] = mapped_column(Float, nullable=True)
+    validator_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    verdict_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    verdict_seq: Mapped[int | None] = mapped_column(Integer, unique=True, nullable=True)
+    failed_checks: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    rewards: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    verified_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
+
+
+def sqlite_url(path: str | Path) -> str:
+    return f"sqlite:///{Path(path).absolute()}"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=10000"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()
+
+
+def open_database(url: str, migrations: Mapping[int, Callable[[Connection], None]] = MIGRATIONS) -> Engine:
+    """An engine on `url` whose schema is at SCHEMA_VERSION: created if the database is empty, upgraded with
+    `migrations` if older; raises SchemaError if it cannot be used."""
+    engine = create_engine(url)
+    shown = engine.url.render_as_string(hide_password=True)
+    if engine.dialect.name == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    with engine.begin() as conn:
+        tables = set(inspect(conn).get_table_names())
+        if not tables:
+            Base.metadata.create_all(conn)
+            conn.execute(SchemaInfo.__table__.insert().values(version=SCHEMA_VERSION))
+            return engine
+        if SchemaInfo.__tablename__ not in tables:
+            engine.dispose()
+            raise SchemaError(f"database {shown} has tables ({', '.join(sorted(tables))}) but no schema_info: it "
+                              "is not an orchestrator database; give orchestrator.database_url an empty one")
+        version = conn.execute(select(SchemaInfo.version)).scalar_one()
+        if version > SCHEMA_VERSION:
+            engine.dispose()
+            raise SchemaError(f"database {shown} has schema version {version}, written by a newer orchestrator "
+                              f"(this one knows up to {SCHEMA_VERSION}); upgrade intellect to open it")
+        while version < SCHEMA_VERSION:
+            if version not in migrations:
+                engine.dispose()
+                raise SchemaError(f"database {shown} has schema version {version} and this release cannot "
+                                  f"upgrade it to {SCHEMA_VERSION} (no migration from {version}); start a new "
+                                  "database or open it with the release that wrote it")
+            migrations[version](conn)
+            version += 1
+            conn.execute(text("UPDATE schema_info SET version = :v"), {"v": version})
+    return engine

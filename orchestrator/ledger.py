@@ -1,0 +1,57 @@
+"""The contribution ledger: per node, what it got credited for and what was refused, from the work records.
+
+Credit comes from validators only: accepted samples are the number of rewards the validator recomputed and
+accepted tokens the validator's own count, never the worker's claims. Each rejected batch counts once under
+each failed check it names (or under its reason when it names none).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import Counter, defaultdict
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from bridge.protocol import Ledger, LedgerEntry
+from orchestrator.db import ACCEPTED, REJECTED, Node, Work
+from orchestrator.nodes import NodeRegistry
+
+CSV_COLUMNS = ("node_key", "role", "accepted_batches", "accepted_samples", "accepted_tokens", "rejected_batches",
+               "rejection_reasons", "first_seen", "last_seen", "banned")
+
+
+def build_ledger(s: Session, registry: NodeRegistry, now: float) -> Ledger:
+    accepted = {key: (batches, samples or 0, tokens or 0) for key, batches, samples, tokens in s.execute(
+        select(Work.node_key, func.count(), func.sum(Work.num_samples), func.sum(Work.verified_tokens))
+        .where(Work.state == ACCEPTED).group_by(Work.node_key))}
+    reasons: dict[str, Counter] = defaultdict(Counter)
+    rejected: Counter = Counter()
+    for key, checks, reason in s.execute(select(Work.node_key, Work.failed_checks, Work.reason)
+                                         .where(Work.state == REJECTED)):
+        rejected[key] += 1
+        reasons[key].update(checks or [reason or "unspecified"])
+    entries = []
+    for node in s.scalars(select(Node).order_by(Node.first_seen, Node.key)):
+        batches, samples, tokens = accepted.get(node.key, (0, 0, 0))
+        live = registry.live.get(node.key)
+        entries.append(LedgerEntry(node_key=node.key, role=node.role, accepted_batches=batches,
+                                   accepted_samples=samples, accepted_tokens=tokens,
+                                   rejected_batches=rejected[node.key], rejection_reasons=dict(reasons[node.key]),
+                                   first_seen=node.first_seen, last_seen=live.last_seen if live else node.last_seen,
+                                   banned=node.banned))
+    return Ledger(entries=entries, generated_at=now)
+
+
+def ledger_csv(ledger: Ledger) -> str:
+    """One row per node; rejection_reasons as `check=count` pairs joined by ';'."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for e in ledger.entries:
+        reasons = ";".join(f"{k}={v}" for k, v in sorted(e.rejection_reasons.items()))
+        writer.writerow([e.node_key, e.role, e.accepted_batches, e.accepted_samples, e.accepted_tokens,
+                         e.rejected_batches, reasons, f"{e.first_seen:.3f}", f"{e.last_seen:.3f}",
+                         str(e.banned).lower()])
+    return out.getvalue()

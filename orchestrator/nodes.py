@@ -1,0 +1,199 @@
+"""Nodes: admission (hardware check, optional compute challenge), liveness, bans.
+
+Liveness is a function of the time since a node's last heartbeat:
+
+    healthy  --silent unhealthy_after_s-->  unhealthy  --silent dead_after_s-->  dead
+       ^-------------------- any heartbeat (from either) -------------------------'
+
+`sweep()` applies it to every node (the service calls it about every second); a node that turns dead, or
+is banned, loses its open assignments (state `lost`), which frees their room in the async window so that the
+work is handed out again. A node that comes back is healthy again and may still announce a batch for a lost
+assignment: finished work is never thrown away.
+
+The registry keeps every node's key, role, state, ban and last heartbeat in memory (the hot path of every
+request) and writes each change through to the database; only the time of the last heartbeat is written
+behind, every few seconds, as it changes on every heartbeat and is not a record anyone is owed.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import HTTPException
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from bridge.protocol import Challenge, HardwareReport, NodeInfo, PoolRequirements, Role
+from orchestrator.db import LOST, OPEN, Node, Work
+
+HEALTHY, UNHEALTHY, DEAD, PENDING = "healthy", "unhealthy", "dead", "pending"
+FLUSH_S = 5.0  # heartbeat times reach the database at most this long after they happen
+
+
+def liveness(silent_s: float, unhealthy_after_s: float, dead_after_s: float) -> str:
+    """The state of an admitted node that has been silent for `silent_s` seconds."""
+    if silent_s >= dead_after_s:
+        return DEAD
+    return UNHEALTHY if silent_s >= unhealthy_after_s else HEALTHY
+
+
+@dataclass
+class LiveNode:
+    role: str
+    state: str
+    banned: bool
+    last_seen: float
+    flushed: float  # last_seen as the database has it
+    metrics: dict[str, float] = field(default_factory=dict)  # from the last heartbeat, kept in memory only
+
+
+class NodeRegistry:
+    def __init__(self, db: sessionmaker[Session], requirements: PoolRequirements, unhealthy_after_s: float,
+                 dead_after_s: float, challenge_timeout_s: float, clock: Callable[[], float]):
+        self.db = db
+        self.requirements = requirements
+        self.unhealthy_after_s = unhealthy_after_s
+        self.dead_after_s = dead_after_s
+        self.challenge_timeout_s = challenge_timeout_s
+        self.clock = clock
+        self.on_release: Callable[[str], None] = lambda key: None  # told after a node's open work is released
+        self._flushed_at = clock()
+        with db() as s:
+            self.live = {n.key: LiveNode(n.role, n.state, n.banned, n.last_seen, n.last_seen)
+                         for n in s.scalars(select(Node))}
+
+    def check_known(self, key: str, *, allow_unknown: bool = False) -> LiveNode | None:
+        """The node of an authentic key; 403 if it is banned, or unknown (unless `allow_unknown`)."""
+        node = self.live.get(key)
+        if node is None and not allow_unknown:
+            raise HTTPException(403, f"unknown node key {key[:16]}...: register first (POST /v1/nodes/register)")
+        if node is not None and node.banned:
+            with self.db() as s:
+                reason = s.get(Node, key).ban_reason
+            raise HTTPException(403, f"node {key[:16]}... is banned: {reason}")
+        return node
+
+    def pending_challenge(self, key: str) -> int | None:
+        """The seed of the challenge `key` was given and has not answered yet, if any."""
+        node = self.live.get(key)
+        if node is None or node.state != PENDING:
+            return None
+        with self.db() as s:
+            return s.get(Node, key).challenge_seed
+
+    def register(self, key: str, role: Role, hardware: HardwareReport, answer: str | None,
+                 solved: tuple[int, str] | None = None) -> tuple[str, list[str], Challenge | None]:
+        """(status, reasons, challenge) of a registration; admitted nodes start healthy.
+
+        `solved` is (seed, solve_challenge(seed, size)) of the node's pending challenge, computed by the caller
+        off the event loop; None makes an answer count as wrong.
+        """
+        reasons = self.requirements.failures(hardware)
+        if reasons:
+            return "refused", reasons, None
+        now = self.clock()
+        with self.db.begin() as s:
+            node = s.get(Node, key)
+            if node is None:
+                node = Node(key=key, role=role, state=PENDING, banned=False, hardware={}, first_seen=now,
+                            last_seen=now)
+                s.add(node)
+            node.role, node.hardware, node.last_seen = role, hardware.model_dump(), now
+            status, challenge = "admitted", None
+            if node.state == PENDING and self.requirements.challenge_size > 0:
+                status, reasons, challenge = self._challenge_step(node, answer, solved, now)
+            if status == "admitted":
+                node.state, node.challenge_seed, node.challenge_expires = HEALTHY, None, None
+            state = node.state
+        self.live[key] = LiveNode(role, state, False, now, now)
+        return status, reasons, challenge
+
+    def _challenge_step(self, node: Node, answer: str | None, solved: tuple[int, str] | None,
+                        now: float) -> tuple[str, list[str], Challenge | None]:
+        if answer is None or node.challenge_seed is None:
+            node.challenge_seed = secrets.randbits(63)
+            node.challenge_expires = now + self.challenge_timeout_s
+            return "challenge", [], Challenge(seed=node.challenge_seed, size=self.requirements.challenge_size,
+                                              expires_at=node.challenge_expires)
+        seed, expires = node.challenge_seed, node.challenge_expires
+        node.challenge_seed = node.challenge_expires = None  # one answer per challenge
+        if now > expires:
+            return "refused", [f"challenge answered {now - expires:.1f} s after its deadline; register again "
+                               "for a new one"], None
+        if solved is None or solved[0] != seed or answer != solved[1]:
+            return "refused", ["wrong challenge answer; register again for a new challenge"], None
+        return "admitted", [], None
+
+    def heartbeat(self, key: str, metrics: dict[str, float]) -> LiveNode:
+        """Record a heartbeat of an admitted node (403 for one still pending); a silent node turns healthy."""
+        node = self.live[key]
+        if node.state == PENDING:
+            raise HTTPException(403, "node not admitted yet: answer the registration challenge")
+        node.last_seen, node.metrics = self.clock(), metrics
+        if node.state != HEALTHY:
+            with self.db.begin() as s:
+                s.execute(update(Node).where(Node.key == key).values(state=HEALTHY, last_seen=node.last_seen))
+            node.state, node.flushed = HEALTHY, node.last_seen
+        return node
+
+    def sweep(self, flush: bool = False) -> list[str]:
+        """Move silent nodes along healthy -> unhealthy -> dead, release the open work of the newly dead, and
+        write heartbeat times behind (every FLUSH_S, or now if `flush`). Returns the keys that died."""
+        now = self.clock()
+        flush_times = flush or now - self._flushed_at >= FLUSH_S
+        died, changes = [], []
+        for key, node in self.live.items():
+            if node.state == PENDING or node.banned:
+                continue
+            state = liveness(now - node.last_seen, self.unhealthy_after_s, self.dead_after_s)
+            if state != node.state or (flush_times and node.last_seen != node.flushed):
+                changes.append({"k": key, "st": state, "seen": node.last_seen})
+            if state == DEAD and node.state != DEAD:
+                died.append(key)
+        if changes:
+            table = Node.__table__
+            with self.db.begin() as s:
+                s.execute(update(table).where(table.c.key == bindparam("k"))
+                          .values(state=bindparam("st"), last_seen=bindparam("seen")), changes)
+                for key in died:
+                    release_open_work(s, key, now)
+        for change in changes:
+            node = self.live[change["k"]]
+            node.state, node.flushed = change["st"], change["seen"]
+        self._flushed_at = now if flush_times else self._flushed_at
+        for key in died:
+            self.on_release(key)
+        return died
+
+    def ban(self, key: str, reason: str) -> None:
+        """Ban `key` (404 if unknown); its open assignments are released."""
+        if key not in self.live:
+            raise HTTPException(404, f"no node with key {key}")
+        now = self.clock()
+        with self.db.begin() as s:
+            s.execute(update(Node).where(Node.key == key).values(banned=True, ban_reason=reason, banned_at=now))
+            release_open_work(s, key, now)
+        self.live[key].banned = True
+        self.on_release(key)
+
+    def info(self, s: Session, keys: list[str] | None = None) -> list[NodeInfo]:
+        query = select(Node).order_by(Node.first_seen)
+        if keys is not None:
+            query = query.where(Node.key.in_(keys))
+        open_counts = dict(s.execute(select(Work.node_key, func.count()).where(Work.state == OPEN)
+                                     .group_by(Work.node_key)).all())
+        out = []
+        for n in s.scalars(query):
+            live = self.live.get(n.key)
+            out.append(NodeInfo(key=n.key, role=n.role, state=live.state if live else n.state, banned=n.banned,
+                                ban_reason=n.ban_reason, hardware=n.hardware, first_seen=n.first_seen,
+                                last_seen=live.last_seen if live else n.last_seen,
+                                open_assignments=open_counts.get(n.key, 0), metrics=live.metrics if live else {}))
+        return out
+
+
+def release_open_work(s: Session, key: str, now: float) -> None:
+    """The node's open assignments go back: marked lost, they no longer hold room in the async window."""
+    s.execute(update(Work).where(Work.node_key == key, Work.state == OPEN).values(state=LOST, lost_at=now))

@@ -1,0 +1,283 @@
+"""Work: the policy version, deterministic assignments paced by the async window, batch announcements,
+validation claims with leases, verdicts, and the learner's listing of accepted batches.
+
+Pacing (DESIGN section 3). With current version V, the learner's next steps train on versions in
+[V - async_level, V]. Work "in the window" is an open assignment, a submitted batch, or an accepted batch the
+learner has not read yet, at a version in the window. At most `(async_level + 1) x assignments_per_step` of it
+exist at once, where assignments_per_step = ceil(data.prompts_per_step / orchestrator.prompts_per_assignment):
+enough to feed the learner's next async_level + 1 steps and no more, so that nothing finished goes stale
+unread. A batch leaves the count when the learner reads it (GET /v1/batches with the admin token), when it is
+rejected, when its assignment is lost, or when its version leaves the window; each frees room for a new
+assignment. On top of that a worker holds at most `max_inflight_per_node` open assignments.
+
+Assignments are given at the newest version in the window whose weights the worker says it holds, else at V.
+The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.protocol` from
+(node key, v, k), so a validator recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+from fastapi import HTTPException
+from sqlalchemy import func, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from bridge.protocol import (Assignment, BatchAnnouncement, BatchRecord, BatchStatus, PolicyAnnouncement, PolicyInfo,
+                             Verdict, assigned_sample_seeds, assigned_task_ids)
+from orchestrator.db import ACCEPTED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
+from orchestrator.nodes import NodeRegistry
+
+log = logging.getLogger("orchestrator")
+
+
+class WorkScheduler:
+    def __init__(self, db: sessionmaker[Session], registry: NodeRegistry, *, async_level: int,
+                 prompts_per_step: int, prompts_per_assignment: int, samples_per_prompt: int,
+                 max_inflight_per_node: int, num_tasks: int | None, claim_lease_s: float,
+                 ban_after_rejections: int, rejection_window_s: float, default_relays: Sequence[str],
+                 clock: Callable[[], float]):
+        self.db = db
+        self.registry = registry
+        self.async_level = async_level
+        self.prompts_per_assignment = prompts_per_assignment
+        self.samples_per_prompt = samples_per_prompt
+        self.assignments_per_step = math.ceil(prompts_per_step / prompts_per_assignment)
+        self.capacity = (async_level + 1) * self.assignments_per_step
+        self.max_inflight_per_node = max_inflight_per_node
+        self.num_tasks = num_tasks
+        self.claim_lease_s = claim_lease_s
+        self.ban_after_rejections = ban_after_rejections
+        self.rejection_window_s = rejection_window_s
+        self.default_relays = list(default_relays)
+        self.clock = clock
+        # Caches of what the heartbeat needs, so that a heartbeat that changes nothing reads no table; every
+        # change goes through this object (one process per database), which keeps them exact.
+        self._window: int | None = None  # work in the async window, kept by deltas; None: count again
+        self._open: dict[str, list[Assignment]] = defaultdict(list)  # open assignments by node, oldest first
+        with db() as s:
+            latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
+            self.policy = self._policy_info(latest)
+            for w in s.scalars(select(Work).where(Work.state == OPEN).order_by(Work.id)):
+                self._open[w.node_key].append(self._to_assignment(w))
+        registry.on_release = self._released
+
+    # -- policy ---------------------------------------------------------------------------------------------
+
+    def _policy_info(self, row: Policy | None) -> PolicyInfo:
+        version = row.version if row else 0
+        return PolicyInfo(version=version, learner_step=row.learner_step if row else 0,
+                          async_level=self.async_level, min_version=max(0, version - self.async_level),
+                          relays=(row.relays if row and row.relays else self.default_relays),
+                          announced_at=row.announced_at if row else None)
+
+    def announce_policy(self, msg: PolicyAnnouncement) -> PolicyInfo:
+        """A new version from the learner; announcing the current one again is a no-op, an older one is 409.
+        Without `relays` the relays announced last stay."""
+        current = self.policy.version
+        if msg.version < current:
+            raise HTTPException(409, f"version {msg.version} is older than the current version {current}")
+        if msg.version == current and self.policy.announced_at is not None:
+            return self.policy
+        with self.db.begin() as s:
+            last = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
+            row = Policy(version=msg.version,
+                         learner_step=msg.version if msg.learner_step is None else msg.learner_step,
+                         relays=list(msg.relays) if msg.relays is not None else (last.relays if last else []),
+                         announced_at=self.clock())
+            s.add(row)
+        self.policy, self._window = self._policy_info(row), None
+        log.info("policy version %d announced (learner step %d)", row.version, row.learner_step)
+        return self.policy
+
+    # -- assignments ----------------------------------------------------------------------------------------
+
+    def _to_assignment(self, w: Work) -> Assignment:
+        count = w.prompts * w.samples_per_prompt
+        task_ids = (assigned_task_ids(w.node_key, w.version, w.k, self.num_tasks, w.prompts)
+                    if self.num_tasks else None)
+        return Assignment(id=w.id, version=w.version, k=w.k, prompts=w.prompts,
+                          samples_per_prompt=w.samples_per_prompt, task_ids=task_ids,
+                          sample_seeds=assigned_sample_seeds(w.node_key, w.version, w.k, count),
+                          issued_at=w.issued_at)
+
+    def window_work(self, recount: bool = False) -> int:
+        """Work in the async window (see the module docstring), from the cache unless `recount`."""
+        if self._window is None or recount:
+            with self.db() as s:
+                self._window = s.scalar(select(func.count()).select_from(Work).where(
+                    Work.version >= self.policy.min_version,
+                    or_(Work.state.in_((OPEN, SUBMITTED)), (Work.state == ACCEPTED) & Work.delivered_at.is_(None))))
+        return self._window
+
+    def _in_window(self, version: int) -> bool:
+        return version >= self.policy.min_version
+
+    def _window_add(self, delta: int) -> None:
+        if self._window is not None:
+            self._window += delta
+
+    def _released(self, key: str) -> None:
+        """The node's open assignments were marked lost (it died or was banned)."""
+        self._window_add(-sum(self._in_window(a.version) for a in self._open.pop(key, [])))
+
+    def open_assignments(self, key: str, loaded_versions: Sequence[int]) -> list[Assignment]:
+        """The worker's open assignments, after giving it a new one if it has room and the window has too."""
+        mine = self._open[key]
+        if len(mine) < self.max_inflight_per_node and self.window_work() < self.capacity:
+            with self.db.begin() as s:
+                work = self._issue(s, key, loaded_versions)
+            mine.append(self._to_assignment(work))
+            self._window_add(1)
+        return list(mine)
+
+    def _issue(self, s: Session, key: str, loaded_versions: Sequence[int]) -> Work:
+        usable = [v for v in loaded_versions if self.policy.min_version <= v <= self.policy.version]
+        version = max(usable, default=self.policy.version)
+        k = s.scalar(select(func.count()).select_from(Work).where(Work.node_key == key, Work.version == version))
+        work = Work(node_key=key, version=version, k=k, prompts=self.prompts_per_assignment,
+                    samples_per_prompt=self.samples_per_prompt, state=OPEN, issued_at=self.clock())
+        s.add(work)
+        s.flush()
+        return work
+
+    # -- batches --------------------------------------------------------------------------------------------
+
+    def announce(self, key: str, msg: BatchAnnouncement) -> BatchRecord:
+        """Record a committed batch for one of the worker's assignments; repeating it is a no-op."""
+        with self.db.begin() as s:
+            work = s.get(Work, msg.assignment_id)
+            revived = work is not None and work.state == LOST and self._in_window(work.version)
+            if work is None or work.node_key != key:
+                raise HTTPException(404, f"assignment_id {msg.assignment_id}: no such assignment of this node")
+            if work.batch_id is not None:
+                if work.batch_id == msg.batch_id and work.sha256 == msg.sha256:
+                    return batch_record(work, self.clock())
+                raise HTTPException(409, f"assignment {work.id} already has batch {work.batch_id!r}")
+            expected_samples = work.prompts * work.samples_per_prompt
+            problems = []
+            if msg.version != work.version:
+                problems.append(f"version: {msg.version}, but assignment {work.id} is at version {work.version}")
+            if msg.num_samples != expected_samples:
+                problems.append(f"num_samples: {msg.num_samples}, but assignment {work.id} asks for "
+                                f"{work.prompts} prompts x {work.samples_per_prompt} samples = {expected_samples}")
+            suffix = f"v{msg.version:06d}/{msg.batch_id}"
+            if not msg.store_path.rstrip("/").endswith(suffix):
+                problems.append(f"store_path: {msg.store_path!r} does not end with {suffix!r} (DESIGN section 6)")
+            if problems:
+                raise HTTPException(422, [{"loc": ["body", p.split(":")[0]], "msg": p, "type": "value_error"}
+                                          for p in problems])
+            if s.scalar(select(Work.id).where(Work.batch_id == msg.batch_id)) is not None:
+                raise HTTPException(409, f"batch_id {msg.batch_id!r} is already taken by another assignment")
+            now = self.clock()
+            work.state, work.batch_id, work.store_path, work.sha256 = SUBMITTED, msg.batch_id, msg.store_path, msg.sha256
+            work.num_samples, work.num_tokens, work.announced_at = msg.num_samples, msg.num_tokens, now
+            record = batch_record(work, now)
+        self._open[key] = [a for a in self._open[key] if a.id != msg.assignment_id]
+        self._window_add(int(revived))  # open -> submitted stays in the window; lost -> submitted comes back
+        return record
+
+    def claim(self, key: str, lease_s: float | None) -> tuple[BatchRecord | None, float | None]:
+        """The batch this validator holds a live claim on, else the oldest unclaimed (or lapsed) batch."""
+        now = self.clock()
+        with self.db.begin() as s:
+            held = s.scalars(select(Work).where(Work.state == SUBMITTED, Work.claimed_by == key,
+                                                Work.lease_expires > now).order_by(Work.id).limit(1)).first()
+            work = held or s.scalars(
+                select(Work).where(Work.state == SUBMITTED,
+                                   or_(Work.claimed_by.is_(None), Work.lease_expires <= now))
+                .order_by(Work.announced_at, Work.id).limit(1)).first()
+            if work is None:
+                return None, None
+            work.claimed_by, work.lease_expires = key, now + (lease_s or self.claim_lease_s)
+            return batch_record(work, now), work.lease_expires
+
+    def verdict(self, key: str, batch_id: str, msg: Verdict) -> tuple[BatchRecord, bool]:
+        """Judge a batch this validator claimed: (the record, False if this repeats a verdict already given).
+        A rejection may ban the worker (`ban_after_rejections` within `rejection_window_s`)."""
+        now = self.clock()
+        with self.db.begin() as s:
+            work = s.scalars(select(Work).where(Work.batch_id == batch_id)).first()
+            if work is None:
+                raise HTTPException(404, f"no batch {batch_id!r}")
+            if work.state in (ACCEPTED, REJECTED):
+                if work.validator_key == key and (work.state == ACCEPTED) == msg.accepted:
+                    return batch_record(work, now), False
+                raise HTTPException(409, f"batch {batch_id!r} was already judged ({work.state})")
+            if work.claimed_by != key:
+                raise HTTPException(409, f"batch {batch_id!r}: this validator does not hold its claim "
+                                         "(POST /v1/validation/claim first; a lapsed lease may have gone to another)")
+            if msg.accepted and len(msg.rewards) != work.num_samples:
+                raise HTTPException(422, [{"loc": ["body", "rewards"], "type": "value_error",
+                                           "msg": f"rewards: {len(msg.rewards)} given, batch {batch_id!r} has "
+                                                  f"{work.num_samples} samples"}])
+            seq = (s.scalar(select(func.max(Work.verdict_seq))) or 0) + 1
+            work.state = ACCEPTED if msg.accepted else REJECTED
+            work.validator_key, work.verdict_at, work.verdict_seq = key, now, seq
+            work.failed_checks, work.reason = list(msg.failed_checks), msg.reason or None
+            work.rewards = list(msg.rewards) if msg.accepted else None
+            work.verified_tokens = msg.num_tokens
+            record, worker = batch_record(work, now), work.node_key
+        if not msg.accepted:
+            self._window_add(-int(self._in_window(record.version)))
+        if not msg.accepted and self._should_ban(worker, now):
+            self.registry.ban(worker, f"automatic: {self.ban_after_rejections} rejected batches within "
+                                      f"{self.rejection_window_s:g} s")
+        return record, True
+
+    def _should_ban(self, worker: str, now: float) -> bool:
+        if self.ban_after_rejections == 0 or self.registry.live[worker].banned:
+            return False
+        with self.db() as s:
+            recent = s.scalar(select(func.count()).select_from(Work).where(
+                Work.node_key == worker, Work.state == REJECTED, Work.verdict_at > now - self.rejection_window_s))
+        return recent >= self.ban_after_rejections
+
+    def batches(self, status: BatchStatus, min_version: int | None, after: int | None, limit: int,
+                learner: bool) -> tuple[list[BatchRecord], int]:
+        """Batches by status, oldest first, with the cursor for the next call.
+
+        The cursor is the verdict order for accepted and rejected batches and the assignment id for submitted
+        and validating ones. Accepted batches returned to the learner are marked delivered.
+        """
+        now = self.clock()
+        query = select(Work)
+        if status in (ACCEPTED, REJECTED):
+            order = Work.verdict_seq
+            query = query.where(Work.state == status)
+        else:
+            order = Work.id
+            live = (Work.claimed_by.is_not(None)) & (Work.lease_expires > now)
+            query = query.where(Work.state == SUBMITTED, live if status == "validating" else ~live)
+        if min_version is not None:
+            query = query.where(Work.version >= min_version)
+        if after is not None:
+            query = query.where(order > after)
+        fresh = []
+        with self.db.begin() as s:
+            rows = list(s.scalars(query.order_by(order).limit(limit)))
+            if learner and status == ACCEPTED:
+                fresh = [w for w in rows if w.delivered_at is None]
+                if fresh:
+                    s.execute(update(Work).where(Work.id.in_([w.id for w in fresh])).values(delivered_at=now))
+            records = [batch_record(w, now) for w in rows]
+        self._window_add(-sum(self._in_window(w.version) for w in fresh))
+        cursor = (getattr(rows[-1], order.key) if rows else after) or 0
+        return records, cursor
+
+
+def batch_record(w: Work, now: float) -> BatchRecord:
+    if w.state == SUBMITTED:
+        status = "validating" if w.claimed_by is not None and w.lease_expires > now else "submitted"
+    else:
+        status = w.state
+    return BatchRecord(batch_id=w.batch_id, node_key=w.node_key, assignment_id=w.id, version=w.version,
+                       store_path=w.store_path, sha256=w.sha256, num_samples=w.num_samples, num_tokens=w.num_tokens,
+                       status=status, announced_at=w.announced_at, claimed_by=w.claimed_by,
+                       lease_expires_at=w.lease_expires, validator_key=w.validator_key, verdict_at=w.verdict_at,
+                       verdict_seq=w.verdict_seq, failed_checks=w.failed_checks or [], reason=w.reason,
+                       rewards=w.rewards, verified_tokens=w.verified_tokens)
+

@@ -1,0 +1,264 @@
+"""The orchestrator's state machines on a fake clock: liveness, lease expiry, pacing by the async window,
+automatic bans, the compute challenge, and schema versions. The app runs in process (Starlette's TestClient)
+with the real client from bridge.protocol; the clock is injected into both sides."""
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
+from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
+                             Verdict, assigned_sample_seeds, assigned_task_ids, solve_challenge)
+from intellect.config import load_config
+from orchestrator.app import create_app
+from orchestrator.db import SCHEMA_VERSION, SchemaError, open_database, sqlite_url
+
+HW = HardwareReport(cpu_count=2, memory_gib=4)
+START = 1_800_000_000.0
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = START
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+class Pool:
+    """One in-process service and clients on one fake clock."""
+
+    def __init__(self, tmp_path, **settings):
+        self.clock = FakeClock()
+        overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",
+                     "orchestrator.heartbeat_interval_s": 2, "orchestrator.unhealthy_after_s": 6,
+                     "orchestrator.dead_after_s": 20, "orchestrator.claim_lease_s": 30, "trainer.async_level": 1,
+                     "data.prompts_per_step": 4, "data.samples_per_prompt": 2, "trainer.batch_size": 8,
+                     "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2, **settings}
+        cfg = load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={})
+        self.app = create_app(cfg, clock=self.clock)
+        self.svc = self.app.state.orchestrator
+        self.http = TestClient(self.app)
+        self.admin = self.client(admin_token="tok")
+
+    def client(self, key=None, admin_token=None) -> OrchestratorClient:
+        return OrchestratorClient("http://testserver", key=key, admin_token=admin_token, clock=self.clock,
+                                  retry=RetryPolicy(attempts=1), http=self.http)
+
+    def node(self, role: str) -> OrchestratorClient:
+        client = self.client(Ed25519PrivateKey.generate())
+        assert client.register(role, HW).status == "admitted"
+        return client
+
+    def state_of(self, client: OrchestratorClient) -> str:
+        return {n.key: n.state for n in self.admin.nodes().nodes}[client.node_key]
+
+    def submit(self, worker: OrchestratorClient, assignment, name: str):
+        n = assignment.prompts * assignment.samples_per_prompt
+        return worker.announce_batch(BatchAnnouncement(
+            batch_id=name, assignment_id=assignment.id, version=assignment.version, num_samples=n, num_tokens=10 * n,
+            store_path=f"file:///store/v{assignment.version:06d}/{name}", sha256="ab" * 32))
+
+
+def test_liveness_healthy_unhealthy_dead_and_back(tmp_path):
+    pool = Pool(tmp_path, **{"data.prompts_per_step": 2, "trainer.batch_size": 4, "trainer.micro_batch_size": 4,
+                             "trainer.async_level": 0})  # room for exactly one assignment
+    a, b = pool.node("worker"), pool.node("worker")
+    [work] = a.heartbeat().assignments
+    assert b.heartbeat().assignments == []  # the window is full
+    pool.clock.advance(5.9)
+    pool.svc.sweep()
+    assert pool.state_of(a) == "healthy"
+    b.heartbeat()
+    pool.clock.advance(0.2)  # a: 6.1 s silent
+    pool.svc.sweep()
+    assert (pool.state_of(a), pool.state_of(b)) == ("unhealthy", "healthy")
+    assert a.heartbeat().state == "healthy"  # a heartbeat brings it back
+    pool.clock.advance(19.9)
+    b.heartbeat()
+    pool.svc.sweep()
+    assert pool.state_of(a) == "unhealthy"
+    pool.clock.advance(0.2)  # a: 20.1 s silent -> dead, its assignment lost, room for b
+    pool.svc.sweep()
+    assert pool.state_of(a) == "dead"
+    [b_work] = b.heartbeat().assignments
+    assert (b_work.version, b_work.k) == (0, 0) and b_work.id != work.id
+    # a comes back with the batch it finished: accepted for validation, not thrown away
+    reply = a.heartbeat()
+    assert reply.state == "healthy" and reply.assignments == []
+    assert pool.submit(a, work, "late-batch").status == "submitted"
+    metrics = pool.http.get("/metrics").text
+    assert 'orchestrator_assignments{state="lost"} 0.0' in metrics  # revived by the announcement
+    assert 'orchestrator_assignments{state="submitted"} 1.0' in metrics
+
+
+def test_validation_lease_expires_to_another_validator(tmp_path):
+    pool = Pool(tmp_path)
+    worker, v1, v2 = pool.node("worker"), pool.node("validator"), pool.node("validator")
+    [work] = worker.heartbeat().assignments
+    pool.submit(worker, work, "b0")
+    claim = v1.claim()
+    assert claim.batch.batch_id == "b0" and claim.lease_expires_at == pytest.approx(START + 30)
+    assert v1.claim().batch.batch_id == "b0"  # a repeated claim gets the batch it holds
+    assert v2.claim().batch is None
+    pool.clock.advance(29)
+    assert v2.claim().batch is None
+    pool.clock.advance(1.5)
+    assert v2.claim().batch.batch_id == "b0"  # v1's lease lapsed
+    with pytest.raises(OrchestratorError, match="does not hold its claim") as err:
+        v1.verdict("b0", Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=40))
+    assert err.value.status == 409
+    record = v2.verdict("b0", Verdict(accepted=True, rewards=[1, 0, 0.5, 1], num_tokens=38))
+    assert (record.status, record.rewards, record.validator_key) == ("accepted", [1, 0, 0.5, 1], v2.node_key)
+    assert v2.verdict("b0", Verdict(accepted=True, rewards=[1, 0, 0.5, 1], num_tokens=38)).verdict_seq == 1
+    assert v1.claim().batch is None
+
+
+def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
+    pool = Pool(tmp_path, **{"orchestrator.num_tasks": 100})  # capacity (1 + 1) x ceil(4 / 2) = 4
+    validator = pool.node("validator")
+    workers = [pool.node("worker") for _ in range(6)]
+    given = {w.node_key: w.heartbeat().assignments for w in workers}
+    busy = [w for w in workers if given[w.node_key]]
+    assert len(busy) == 4
+    for w in busy:  # deterministic prompts and seeds, from (key, version, k)
+        [a] = given[w.node_key]
+        assert (a.version, a.k) == (0, 0)
+        assert a.task_ids == assigned_task_ids(w.node_key, 0, 0, 100, 2)
+        assert a.sample_seeds == assigned_sample_seeds(w.node_key, 0, 0, 4)
+        assert [x.id for x in w.heartbeat().assignments] == [a.id]  # in-flight limit 1: the same one again
+    for i, w in enumerate(busy[:2]):
+        pool.submit(w, given[w.node_key][0], f"b{i}")
+        validator.claim()
+        validator.verdict(f"b{i}", Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=40))
+    idle = [w for w in workers if not given[w.node_key]]
+    assert all(w.heartbeat().assignments == [] for w in idle)  # accepted but unread still fills the window
+    public = pool.client().batches()
+    assert [b.batch_id for b in public.batches] == ["b0", "b1"]
+    assert all(w.heartbeat().assignments == [] for w in idle)  # a public read is not the learner's
+    read, cursor = pool.admin.all_batches(min_version=0, page=1)  # three pages: 1, 1, 0 batches
+    assert [b.rewards for b in read] == [[1.0] * 4] * 2 and cursor == 2
+    assert all(len(w.heartbeat().assignments) == 1 for w in idle)  # the learner read them: room for two
+    assert pool.admin.batches(after=cursor).batches == []
+    # Version 2 with async_level 1: the window is [1, 2]; version-0 work no longer counts.
+    policy = pool.admin.announce_policy(2, relays=["http://relay.test:8100"])
+    assert (policy.min_version, policy.relays) == (1, ["http://relay.test:8100"])
+    w = busy[0]  # its batch b0 was read, so it has room
+    [a] = w.heartbeat(loaded_versions=[0, 1]).assignments
+    assert (a.version, a.k) == (1, 0)  # newest version in the window the worker holds
+    assert pool.submit(w, a, "b2").version == 1
+    [a] = w.heartbeat().assignments
+    assert (a.version, a.k) == (2, 0)  # holds no version in the window: the current one
+    with pytest.raises(OrchestratorError, match="older than the current version 2"):
+        pool.admin.announce_policy(1)
+    assert pool.admin.announce_policy(2).announced_at == policy.announced_at  # repeating is a no-op
+    validator.claim()
+    validator.verdict("b2", Verdict(accepted=False, failed_checks=["sampling"], num_tokens=1))
+    cached = pool.svc.scheduler.window_work()
+    assert cached == pool.svc.scheduler.window_work(recount=True) == 1  # w's at v2; b2 was rejected, the rest is v0
+
+
+def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_path):
+    pool = Pool(tmp_path, **{"orchestrator.ban_after_rejections": 2, "orchestrator.rejection_window_s": 100,
+                             "orchestrator.max_inflight_per_node": 4})
+    worker, validator = pool.node("worker"), pool.node("validator")
+    works = [worker.heartbeat().assignments[-1] for _ in range(4)]
+    assert len({w.id for w in works}) == 4
+    verdicts = [(150, ["toploc"], ""), (10, ["toploc", "sampling"], ""), (0, [], "empty completions")]
+    for i, (wait, checks, reason) in enumerate(verdicts):
+        worker.heartbeat()
+        pool.submit(worker, works[i], f"bad{i}")
+        validator.claim()
+        validator.verdict(f"bad{i}", Verdict(accepted=False, failed_checks=checks, reason=reason, num_tokens=40))
+        pool.clock.advance(wait)
+        if i == 0:  # the first rejection is 150 s old, outside the 100 s window, when the second comes
+            continue
+        if i == 1:
+            assert worker.heartbeat().state == "healthy"
+    with pytest.raises(OrchestratorError, match="banned: automatic: 2 rejected batches within 100 s") as err:
+        worker.heartbeat()
+    assert err.value.status == 403
+    [entry] = [e for e in pool.admin.ledger().entries if e.node_key == worker.node_key]
+    assert (entry.rejected_batches, entry.banned) == (3, True)
+    assert entry.rejection_reasons == {"toploc": 2, "sampling": 1, "empty completions": 1}
+    metrics = pool.http.get("/metrics").text  # the banned worker's open work was released
+    assert 'orchestrator_assignments{state="open"} 0.0' in metrics
+    assert 'orchestrator_assignments{state="lost"} 0.0' not in metrics
+
+
+def test_hardware_below_the_pool_requirements_is_refused_with_reasons(tmp_path):
+    pool = Pool(tmp_path, **{"orchestrator.allow_cpu_nodes": "false", "orchestrator.min_gpus": 2,
+                             "orchestrator.min_gpu_memory_gib": 40})
+    node = pool.client(Ed25519PrivateKey.generate())
+    reply = node.register("worker", HW)
+    assert reply.status == "refused" and "CPU-only" in reply.reasons[0]
+    assert (reply.requirements.min_gpus, reply.requirements.min_gpu_memory_gib) == (2, 40)
+    small = HardwareReport(gpus=[GpuInfo(name="T4", memory_gib=16)] * 2, cpu_count=8, memory_gib=64)
+    assert "T4 (16 GiB)" in node.register("worker", small).reasons[0]
+    with pytest.raises(OrchestratorError, match="register first"):  # a refused node is not stored
+        node.heartbeat()
+    big = HardwareReport(gpus=[GpuInfo(name="H100", memory_gib=80)] * 2, cpu_count=8, memory_gib=64)
+    assert node.register("worker", big).status == "admitted"
+
+
+def test_compute_challenge_admits_only_a_right_and_timely_answer(tmp_path):
+    pool = Pool(tmp_path, **{"orchestrator.challenge_size": 32, "orchestrator.challenge_timeout_s": 5})
+    node = pool.client(Ed25519PrivateKey.generate())
+    first = node.register("worker", HW)
+    assert first.status == "challenge" and first.challenge.size == 32
+    with pytest.raises(OrchestratorError, match="not admitted yet") as err:
+        node.heartbeat()
+    assert err.value.status == 403
+    wrong = node.register("worker", HW, challenge_answer="00" * 32)
+    assert wrong.status == "refused" and "wrong challenge answer" in wrong.reasons[0]
+    late = node.register("worker", HW)
+    pool.clock.advance(6)
+    refused = node.register("worker", HW, challenge_answer=solve_challenge(late.challenge.seed, 32))
+    assert refused.status == "refused" and "after its deadline" in refused.reasons[0]
+    fresh = node.register("worker", HW)
+    ok = node.register("worker", HW, challenge_answer=solve_challenge(fresh.challenge.seed, 32))
+    assert ok.status == "admitted" and node.heartbeat().state == "healthy"
+
+
+def test_schema_is_created_upgraded_or_refused(tmp_path):
+    url = sqlite_url(tmp_path / "o.db")
+    with open_database(url).connect() as conn:
+        assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION
+    older = SCHEMA_VERSION - 1
+    with open_database(url).begin() as conn:
+        conn.execute(text("UPDATE schema_info SET version = :v"), {"v": older})
+    with pytest.raises(SchemaError, match=f"schema version {older} and this release cannot upgrade"):
+        open_database(url)
+    ran = []
+    engine = open_database(url, migrations={older: lambda conn: ran.append(conn.execute(text("SELECT 1")).scalar())})
+    with engine.connect() as conn:
+        assert ran == [1] and conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION
+        conn.execute(text("UPDATE schema_info SET version = 99"))
+        conn.commit()
+    with pytest.raises(SchemaError, match="written by a newer orchestrator"):
+        open_database(url)
+    foreign = sqlite_url(tmp_path / "other.db")
+    with open_database(foreign).begin() as conn:
+        conn.execute(text("DROP TABLE schema_info"))
+    with pytest.raises(SchemaError, match="not an orchestrator database"):
+        open_database(foreign)
+
+
+def test_a_reply_after_a_write_waits_for_the_wal_fsync(tmp_path):
+    pool = Pool(tmp_path)
+    wal = pool.svc.wal
+    fsyncs = []
+    real = wal._fsync
+    wal._fsync = lambda: (fsyncs.append(wal.wal_path.stat().st_size), real())[1]
+    worker = pool.node("worker")  # register commits
+    assert len(fsyncs) == 1 and fsyncs[0] > 0
+    [a] = worker.heartbeat().assignments  # issues an assignment: a commit
+    assert len(fsyncs) == 2
+    worker.heartbeat()  # the same open assignment: nothing written, nothing to wait for
+    pool.client().policy()
+    assert len(fsyncs) == 2
+    pool.submit(worker, a, "durable")
+    assert len(fsyncs) == 3 and fsyncs[2] > fsyncs[1]  # the WAL grew by the announcement before it was synced
