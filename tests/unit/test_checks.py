@@ -1,0 +1,269 @@
+"""The validator's checks on synthetic data: nucleus and logprobs against vLLM's own sampler functions,
+termination against vLLM's stop rule, fixed data against `bridge.assignment`, and malformed input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from gpu_workers.checks import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Assignment,
+    BatchVerdict,
+    Sample,
+    SampleVerdict,
+    SamplingTolerance,
+    Verdict,
+    check_computation,
+    check_fixed_data,
+    check_reward,
+    check_sampling,
+    check_termination,
+    samples_from_arrays,
+)
+from gpu_workers.toploc import build_proofs, proof_sizes, split_proofs
+
+EXACT = SamplingTolerance(logit_tolerance=0.0)
+KEY = "0f" * 32
+
+
+def _vllm_processed(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """vLLM's processed logprobs, by vLLM's own top-p function (the reference for the sampling check)."""
+    sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    masked = sampler.apply_top_k_top_p_pytorch(logits.float() / temperature, None,
+                                               torch.full((len(logits),), top_p))
+    return masked.log_softmax(dim=-1)
+
+
+def _logits(n: int = 40, vocab: int = 300, seed: int = 0, spread: float = 3.0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((n, vocab)) * spread).float()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (0.6, 0.5), (1.3, 0.95)])
+def test_sampling_accepts_what_vllm_samples_and_matches_its_logprobs(temperature, top_p):
+    logits = _logits(seed=int(temperature * 10 + top_p * 100))
+    processed = _vllm_processed(logits, temperature, top_p)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.multinomial(processed.exp(), 1, generator=generator)[:, 0]
+    stored = processed.gather(1, tokens[:, None])[:, 0].numpy()
+    verdict = check_sampling(tokens.tolist(), stored, logits, temperature, top_p, EXACT)
+    assert verdict.passed, verdict.reasons
+    assert verdict.numbers["max_logprob_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.0, 0.5)])
+def test_nucleus_with_zero_tolerance_is_exactly_vllms_mask(temperature, top_p):
+    """Every token of every row: inside for the check iff vLLM's top-p leaves its logit finite."""
+    logits = _logits(n=12, vocab=200, seed=3)
+    kept = torch.isfinite(_vllm_processed(logits, temperature, top_p))
+    for token in range(logits.shape[1]):
+        column = torch.full((len(logits),), token)
+        verdict = check_sampling(column.tolist(), np.full(len(logits), -1.0), logits, temperature, top_p,
+                                 SamplingTolerance(logit_tolerance=0.0, max_logprob_diff=math.inf,
+                                                   mean_logprob_diff=math.inf))
+        outside = verdict.numbers["tokens_outside_nucleus"]
+        assert outside == int((~kept[:, token]).sum()), token
+
+
+def test_tolerance_covers_any_logit_change_within_it():
+    """A token inside vLLM's nucleus of logits changed by at most the tolerance passes on the unchanged ones."""
+    tolerance = SamplingTolerance(logit_tolerance=0.1, max_logprob_diff=math.inf, mean_logprob_diff=math.inf)
+    rng = np.random.default_rng(5)
+    logits = _logits(n=60, vocab=50, seed=5, spread=2.0)
+    for trial in range(20):
+        changed = logits + torch.from_numpy(rng.uniform(-0.1, 0.1, logits.shape)).float()
+        kept = torch.isfinite(_vllm_processed(changed, 0.8, 0.7))
+        rows, tokens = torch.nonzero(kept, as_tuple=True)
+        verdict = check_sampling(tokens.tolist(), np.full(len(rows), -1.0), logits[rows], 0.8, 0.7, tolerance)
+        assert verdict.numbers["tokens_outside_nucleus"] == 0, trial
+    far = check_sampling([int(logits[0].argmin())], [-1.0], logits[:1], 0.8, 0.7, tolerance)
+    assert far.numbers["tokens_outside_nucleus"] == 1  # a tail token is still caught
+
+
+def test_sampling_rejects_fabricated_logprobs_and_tokens_outside_the_nucleus():
+    logits = _logits(seed=7)
+    processed = _vllm_processed(logits, 0.7, 0.8)
+    greedy = logits.argmax(-1)
+    honest = processed.gather(1, greedy[:, None])[:, 0].numpy()
+    assert check_sampling(greedy.tolist(), honest, logits, 0.7, 0.8).passed
+    for fabricated in (np.zeros_like(honest), honest - 0.2, honest[::-1].copy()):
+        verdict = check_sampling(greedy.tolist(), fabricated, logits, 0.7, 0.8)
+        assert not verdict.passed and "logprobs differ" in " ".join(verdict.reasons)
+    tail = logits.argsort(-1)[:, 0]  # the least likely token of each row
+    verdict = check_sampling(tail.tolist(), honest, logits, 0.7, 0.8)
+    assert not verdict.passed and verdict.numbers["tokens_outside_nucleus"] == len(logits)
+    assert "outside the top-p 0.8 nucleus" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize("tokens,logprobs,why", [
+    ([1, 2], [-1.0], "2 tokens and 1 logprobs"),
+    ([1, 999], [-1.0, -1.0], "outside the vocab"),
+    ([1, -1], [-1.0, -1.0], "outside the vocab"),
+    ([1, 2], [-1.0, math.nan], "finite"),
+    ([1, 2], [-1.0, 0.5], "<= 0"),
+])
+def test_sampling_malformed_input_is_a_reason_not_an_exception(tokens, logprobs, why):
+    verdict = check_sampling(tokens, logprobs, _logits(n=2), 1.0, 1.0)
+    assert not verdict.passed and why in verdict.reasons[0]
+
+
+def test_sampling_refuses_meaningless_parameters():
+    with pytest.raises(ValueError, match="temperature"):
+        check_sampling([1], [-1.0], _logits(n=1), 0.0, 0.9)
+    with pytest.raises(ValueError, match="top_p"):
+        check_sampling([1], [-1.0], _logits(n=1), 1.0, 1.5)
+
+
+STOPS = frozenset({0, 2})
+
+
+@pytest.mark.parametrize("tokens,finish,max_tokens,accepted", [
+    ([5, 6, 0], FINISH_STOP, 8, True),  # ends with a stop token
+    ([2], FINISH_STOP, 8, True),  # stops after one token
+    ([5, 6, 7], FINISH_STOP, 8, False),  # cut short, no stop token
+    ([5, 0, 7, 2], FINISH_STOP, 8, False),  # a stop token earlier: generation would have ended there
+    ([5, 6, 7, 8], FINISH_LENGTH, 4, True),  # exactly max_tokens
+    ([5, 6, 7], FINISH_LENGTH, 4, False),  # cut short and claimed as length
+    ([5, 6, 7, 0], FINISH_LENGTH, 4, False),  # vLLM checks stop before length: that is finish = stop
+    ([5, 6, 7, 8, 9], FINISH_LENGTH, 4, False),  # longer than max_tokens
+    ([5, 6, 0], 2, 8, False),  # unknown finish code
+    ([], FINISH_STOP, 8, False),
+])
+def test_termination(tokens, finish, max_tokens, accepted):
+    verdict = check_termination(tokens, finish, STOPS, max_tokens)
+    assert verdict.passed == accepted, verdict.reasons
+    assert accepted or verdict.reasons
+
+
+def test_termination_at_the_context_limit_counts_as_length():
+    assert check_termination([5, 6], FINISH_LENGTH, STOPS, 8, prompt_len=30, max_model_len=32).passed
+    assert not check_termination([5, 6], FINISH_LENGTH, STOPS, 8, prompt_len=29, max_model_len=32).passed
+
+
+def _assigned_samples(version=3, k=1, num_tasks=50, prompts=3, group=4, prompt_of=lambda t: [1, t, 7]):
+    tasks = assigned_task_ids(KEY, version, k, num_tasks, prompts)
+    seeds = assigned_sample_seeds(KEY, version, k, prompts * group)
+    return [Sample(prompt_tokens=prompt_of(tasks[i // group]), completion_tokens=[4], logprobs=[-1.0],
+                   finish=FINISH_STOP, proofs=b"", seed=seeds[i], task_id=tasks[i // group], group_id=10 + i // group)
+            for i in range(prompts * group)]
+
+
+def test_fixed_data_accepts_the_assignment_and_names_each_departure():
+    assignment = Assignment(KEY, version=3, k=1, num_tasks=50, samples_per_prompt=4,
+                            prompt_tokens_of=lambda t: [1, t, 7])
+    samples = _assigned_samples()
+    assert check_fixed_data(samples, assignment).passed
+
+    def replaced(i, **changes):
+        fields = {name: getattr(samples[i], name) for name in Sample.__dataclass_fields__}
+        return samples[:i] + [Sample(**{**fields, **changes})] + samples[i + 1:]
+
+    other_task = next(t for t in range(50) if t not in {s.task_id for s in samples})
+    cases = {
+        "task ids": replaced(5, task_id=other_task, prompt_tokens=[1, other_task, 7]),
+        "seeds": replaced(2, seed=samples[2].seed + 1),
+        "group ids": replaced(3, group_id=11),
+        "prompts differ": replaced(0, prompt_tokens=[1, samples[0].task_id, 8]),
+        "positive multiple": samples[:-1],
+        "another assignment": _assigned_samples(k=2),
+    }
+    for why, batch in cases.items():
+        verdict = check_fixed_data(batch, assignment)
+        assert not verdict.passed and verdict.reasons, why
+        expected = "task ids" if why == "another assignment" else why
+        assert expected in " ".join(verdict.reasons), (why, verdict.reasons)
+
+
+def test_reward_recomputed_compared_and_reported():
+    sample = _assigned_samples()[0]
+    fields = {name: getattr(sample, name) for name in Sample.__dataclass_fields__}
+    honest = Sample(**{**fields, "reward": 0.5})
+    assert check_reward(honest, lambda s: 0.5).passed
+    assert check_reward(honest, lambda s: 0.5).numbers["recomputed"] == 0.5
+    inflated = check_reward(Sample(**{**fields, "reward": 1.0}), lambda s: 0.5)
+    assert not inflated.passed and inflated.numbers["recomputed"] == 0.5
+    assert not check_reward(Sample(**{**fields, "reward": math.nan}), lambda s: 0.5).passed
+    raised = check_reward(honest, lambda s: 1 / 0)
+    assert not raised.passed and "ZeroDivisionError" in raised.reasons[0]
+
+
+def _bits(rows: int, hidden: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((rows, hidden), dtype=np.float32)
+                            ).to(torch.bfloat16)
+
+
+def test_computation_splits_the_stored_proofs_and_rejects_bad_lengths():
+    hidden = _bits(40, 64)
+    proofs = build_proofs(hidden)
+    assert proof_sizes(40, 64) == [258, 2 + 2 * 128] == [len(p) for p in proofs]
+    assert split_proofs(b"".join(proofs), 40, 64) == proofs
+    assert check_computation(b"".join(proofs), hidden).passed
+    assert check_computation(b"".join(proofs), hidden.float()).passed  # compared in bf16 whatever it came as
+    for blob in (b"", b"".join(proofs)[:-1], b"".join(proofs) + b"\0"):
+        verdict = check_computation(blob, hidden)
+        assert not verdict.passed and "decode steps of hidden size 64 need 516" in verdict.reasons[0]
+    other = check_computation(b"".join(build_proofs(_bits(40, 64, seed=1))), hidden)
+    assert not other.passed and other.reasons[0].startswith("TOPLOC chunk 0")
+    assert other.numbers["max_exp_mismatches"] > 38
+
+
+def _pack(samples: list[Sample]) -> dict[str, np.ndarray]:
+    """The DESIGN section 6 arrays of `samples` (prompt logprobs 0)."""
+    lengths = [len(s.prompt_tokens) + len(s.completion_tokens) for s in samples]
+    return {
+        "tokens": np.concatenate([np.r_[s.prompt_tokens, s.completion_tokens] for s in samples]).astype(np.int32),
+        "offsets": np.r_[0, np.cumsum(lengths)].astype(np.int64),
+        "prompt_lens": np.array([len(s.prompt_tokens) for s in samples], np.int32),
+        "logprobs": np.concatenate([np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples]
+                                   ).astype(np.float32),
+        "task_ids": np.array([s.task_id for s in samples], np.int64),
+        "group_ids": np.array([s.group_id for s in samples], np.int32),
+        "target_lens": np.array([s.target_len for s in samples], np.int32),
+        "seeds": np.array([s.seed for s in samples], np.uint64),
+        "finish": np.array([s.finish for s in samples], np.uint8),
+        "rewards": np.array([s.reward for s in samples], np.float32),
+        "proofs": np.frombuffer(b"".join(s.proofs for s in samples), np.uint8),
+        "proof_offsets": np.r_[0, np.cumsum([len(s.proofs) for s in samples])].astype(np.int64),
+    }
+
+
+def test_samples_from_arrays_round_trip_and_bad_fields():
+    rng = np.random.default_rng(0)
+    samples = [Sample(prompt_tokens=rng.integers(0, 99, 3 + i), completion_tokens=rng.integers(0, 99, 1 + 2 * i),
+                      logprobs=-rng.random(1 + 2 * i).astype(np.float32), finish=i % 2, proofs=bytes([i]) * (3 * i),
+                      seed=2**63 + i, task_id=i, group_id=i // 2, reward=0.25 * i, target_len=i)
+               for i in range(5)]
+    back = samples_from_arrays(_pack(samples))
+    for a, b in zip(samples, back):
+        for name in Sample.__dataclass_fields__:
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    arrays = _pack(samples)
+    broken = {
+        "missing rewards": ({k: v for k, v in arrays.items() if k != "rewards"}, "missing rewards"),
+        "offsets": ({**arrays, "offsets": arrays["offsets"][::-1]}, "offsets"),
+        "proof_offsets": ({**arrays, "proof_offsets": arrays["proof_offsets"][:-1]}, "proof_offsets"),
+        "logprobs": ({**arrays, "logprobs": arrays["logprobs"][:-1]}, "logprobs"),
+        "seeds": ({**arrays, "seeds": arrays["seeds"][:2]}, "seeds"),
+        "prompt_lens": ({**arrays, "prompt_lens": arrays["prompt_lens"] + 100}, "prompt_lens: sample 0"),
+    }
+    for name, (bad, message) in broken.items():
+        with pytest.raises(ValueError, match=message):
+            samples_from_arrays(bad)
+
+
+def test_batch_verdict_aggregates_samples_and_batch_checks():
+    ok, bad = Verdict("sampling", True), Verdict("computation", False, ("TOPLOC chunk 0: ...",))
+    reward = Verdict("reward", True, numbers={"recomputed": 0.75})
+    samples = (SampleVerdict(0, (ok, reward)), SampleVerdict(1, (ok, bad)), SampleVerdict(2, (bad, bad)))
+    verdict = BatchVerdict(samples, (Verdict("fixed_data", False, ("task ids",)),))
+    assert not verdict.accepted
+    assert verdict.failed_checks() == {"fixed_data": 1, "computation": 3}
+    assert verdict.reasons(limit=2) == ["batch: task ids", "sample 1: TOPLOC chunk 0: ..."]
+    assert verdict.rewards() == [0.75, None, None]
+    assert BatchVerdict(samples[:1]).accepted
+    assert not BatchVerdict(()).accepted  # an empty batch is no batch
