@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -51,15 +50,16 @@ def _net_isolation() -> list[str]:
     return []
 
 
-def _limit(limits: Limits):
-    def apply():
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
-        mem = limits.memory_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return apply
+# The child applies its own limits, then runs the program: no `preexec_fn`, which is unsafe to fork from a
+# multithreaded parent (a worker's engine, a validator's torch threads).
+_BOOT = ("import resource, runpy, sys\n"
+         "cpu, mem = int(sys.argv[1]), int(sys.argv[2])\n"
+         "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))\n"
+         "resource.setrlimit(resource.RLIMIT_AS, (mem, mem))\n"
+         "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+         "path = sys.argv[3]\n"
+         "sys.argv = [path]\n"
+         "runpy.run_path(path, run_name='__main__')\n")
 
 
 def run_test(program: str, stdin: str, limits: Limits) -> tuple[bool, str]:
@@ -68,10 +68,11 @@ def run_test(program: str, stdin: str, limits: Limits) -> tuple[bool, str]:
         path = os.path.join(scratch, "main.py")
         with open(path, "w") as f:
             f.write(program)
-        cmd = _net_isolation() + [sys.executable, "-I", "-S", path]
+        cmd = _net_isolation() + [sys.executable, "-I", "-S", "-c", _BOOT, str(limits.cpu_s),
+                                  str(limits.memory_mb * 1024 * 1024), path]
         proc = subprocess.Popen(cmd, cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch},
-                                preexec_fn=_limit(limits), text=True)
+                                start_new_session=True, text=True)
         try:
             out, err = proc.communicate(stdin, timeout=limits.wall_s)
         except subprocess.TimeoutExpired:
