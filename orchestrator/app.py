@@ -24,11 +24,11 @@ from typing import Annotated, Literal
 from fastapi import Body, Depends, FastAPI, HTTPException, Path as PathParam, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter
 from sqlalchemy.orm import sessionmaker
 
 from bridge.protocol import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT, PROTOCOL_VERSION,
-                             BanRequest, BatchAnnouncement, BatchList, BatchRecord, BatchStatus, ClaimRequest,
+                             Assignment, BanRequest, BatchAnnouncement, BatchList, BatchRecord, BatchStatus, ClaimRequest,
                              ClaimResponse, Health, HeartbeatRequest, HeartbeatResponse, Ledger, NodeInfo, NodeList,
                              PolicyAnnouncement, PolicyInfo, PoolRequirements, RegisterRequest, RegisterResponse,
                              Verdict, solve_challenge)
@@ -37,12 +37,16 @@ from orchestrator import dashboard
 from orchestrator.auth import Authenticator, RateLimiter
 from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
 from orchestrator.durability import WalSync
+from orchestrator.heartbeat_route import PATH as HEARTBEAT_PATH, heartbeat_route
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.metrics import Metrics
 from orchestrator.nodes import LiveNode, NodeRegistry
 from orchestrator.scheduler import WorkScheduler
 
 log = logging.getLogger("orchestrator")
+
+
+_ASSIGNMENTS = TypeAdapter(list[Assignment])
 
 
 class Orchestrator:
@@ -76,6 +80,16 @@ class Orchestrator:
         self.heartbeat_interval_s = oc.heartbeat_interval_s
         self.sweep_interval_s = min(1.0, oc.heartbeat_interval_s / 2)
         self.started = clock()
+        self._policy_json: tuple[PolicyInfo | None, bytes] = (None, b"")
+        self._interval_json = TypeAdapter(float).dump_json(self.heartbeat_interval_s)
+
+    def heartbeat_reply(self, state: str, work: list[Assignment]) -> bytes:
+        """The JSON of a HeartbeatResponse; the policy's part is serialized once per policy."""
+        policy = self.scheduler.policy
+        if self._policy_json[0] is not policy:
+            self._policy_json = (policy, policy.model_dump_json().encode())
+        return b"".join((b'{"state":"', state.encode(), b'","policy":', self._policy_json[1], b',"assignments":',
+                         _ASSIGNMENTS.dump_json(work), b',"heartbeat_interval_s":', self._interval_json, b"}"))
 
     def sweep(self, flush: bool = False) -> None:
         """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
@@ -230,14 +244,15 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         return _reply(RegisterResponse(status=status, node_key=key, reasons=reasons, requirements=svc.requirements,
                                        challenge=challenge, policy=svc.scheduler.policy))
 
-    @app.post("/v1/nodes/heartbeat", response_model=HeartbeatResponse, responses=_ERRORS, tags=["nodes"],
+    @app.post(HEARTBEAT_PATH, response_model=HeartbeatResponse, responses=_ERRORS, tags=["nodes"],
               openapi_extra=_SIGNED_ROUTE)
     async def heartbeat(body: HeartbeatRequest, node: Annotated[tuple, Depends(role(None))]) -> Response:
+        """Declared for the OpenAPI document and for requests `heartbeat_route` hands on; the same steps run
+        there."""
         key, _ = node
         live = svc.registry.heartbeat(key, dict(body.metrics))
         work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
-        return _reply(HeartbeatResponse(state=live.state, policy=svc.scheduler.policy, assignments=work,
-                                        heartbeat_interval_s=svc.heartbeat_interval_s))
+        return Response(svc.heartbeat_reply(live.state, work), media_type="application/json")
 
     @app.post("/v1/batches", response_model=BatchRecord, responses={**_ERRORS, 409: {"description": "conflict"},
                                                                      429: {"description": "rate limited"}},
@@ -314,6 +329,8 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         return HTMLResponse(dashboard.render(svc, svc.scheduler.policy, nodes, data))
 
     app.openapi = functools.partial(_openapi, app)
+    beat = next(r for r in app.routes if getattr(r, "path", None) == HEARTBEAT_PATH)
+    app.add_middleware(_Middleware, wrap=lambda inner: heartbeat_route(inner, svc, beat))
     if svc.wal is not None:
         app.add_middleware(_Middleware, wrap=svc.wal.middleware)
     app.add_middleware(_Middleware, wrap=svc.metrics.middleware)

@@ -62,6 +62,11 @@ class Authenticator:
     async def verify(self, request: Request, key: str | None, stamp: str | None, nonce: str | None,
                      signature: str | None) -> str:
         """The hex key of the node that signed `request` (the four header values given); 401 otherwise."""
+        return self.verify_raw(request.scope, await request.body(), key, stamp, nonce, signature)
+
+    def verify_raw(self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None,
+                   signature: str | None) -> str:
+        """`verify` of the request with ASGI `scope` and `body`."""
         values = {HEADER_KEY: key, HEADER_TIMESTAMP: stamp, HEADER_NONCE: nonce, HEADER_SIGNATURE: signature}
         missing = [name for name, value in values.items() if not value]
         if missing:
@@ -79,12 +84,11 @@ class Authenticator:
                                f"the service's clock (at most {self.max_skew_s:g} s allowed): sync the clock")
         if (int(stamp) + 1) / 1000 < self.started:  # +1: the timestamp is truncated to the millisecond
             raise unauthorized("request signed before the service started; sign it again")
-        target = (request.scope.get("raw_path") or request.scope["path"].encode()).decode("latin-1")
-        query = request.scope["query_string"].decode("latin-1")
+        target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        query = scope["query_string"].decode("latin-1")
         if query:
             target += "?" + query
-        body = await request.body()
-        if not verify_signature(key, signature, request.method, target, stamp, nonce, body):
+        if not verify_signature(key, signature, scope["method"], target, stamp, nonce, body):
             raise unauthorized(f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
                                "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)")
         if not self.nonces.add(nonce, now + 2 * self.max_skew_s):

@@ -81,6 +81,7 @@ class Metrics:
     def middleware(self, app: Callable) -> Callable:
         """ASGI middleware observing each HTTP request's latency under its route template."""
         latency = self.latency
+        children: dict[tuple[str, str, int], Histogram] = {}  # labels() takes a lock and builds a key each call
 
         async def observe(scope, receive, send):
             if scope["type"] != "http":
@@ -96,8 +97,10 @@ class Metrics:
             try:
                 await app(scope, receive, send_status)
             finally:
-                route = scope.get("route")
-                latency.labels(scope["method"], getattr(route, "path", "unmatched"),
-                               str(status[0])).observe(time.perf_counter() - start)
+                labels = (scope["method"], getattr(scope.get("route"), "path", "unmatched"), status[0])
+                child = children.get(labels)
+                if child is None:
+                    child = children[labels] = latency.labels(labels[0], labels[1], str(labels[2]))
+                child.observe(time.perf_counter() - start)
 
         return observe
