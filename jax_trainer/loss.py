@@ -13,8 +13,9 @@ Per completion token t of a sample with advantage A:
                                                           unbiased, positive KL estimator); its gradient flows
 
 The batch loss is sum_t weight_t * l_t; `aggregation` names the weights (see `token_weights`).
-Logprobs come from `token_logprobs`, which applies the LM head chunk by chunk along the sequence under
-`jax.checkpoint`, so [batch, seq, vocab] float32 logits never exist, not in the forward and not in the backward.
+Logprobs come from `token_logprobs`, which applies the LM head chunk by chunk along the sequence with a
+hand-written backward pass that recomputes each chunk's logits, so [batch, seq, vocab] float32 logits never
+exist, not in the forward and not in the backward.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from jax_trainer.kernels import sampled_logprobs
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
 
@@ -49,23 +52,12 @@ class LossSettings:
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
 
 
-def _chunk_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float):
-    """Logprob of `targets` and the entropy, for one [batch, chunk] slice; float32."""
-    z = jax.lax.dot_general(hidden, head.astype(hidden.dtype), (((2,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32) / temperature
-    lse = jax.nn.logsumexp(z, axis=-1)
-    target_z = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(z - lse[..., None])
-    entropy = lse - jnp.sum(probs * z, axis=-1)
-    return target_z - lse, entropy
-
-
 def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0,
                    chunk: int = 128) -> tuple[jax.Array, jax.Array]:
     """log pi(targets[b, t] | hidden[b, t]) and the entropy at each position, both [batch, seq] float32.
 
-    The sequence is processed `chunk` positions at a time under `jax.checkpoint`: the backward pass recomputes
-    each chunk's logits instead of keeping [batch, seq, vocab] alive.
+    The sequence is processed `chunk` positions at a time (`jax_trainer.kernels.sampled_logprobs`): the
+    backward pass recomputes each chunk's logits instead of keeping [batch, seq, vocab] alive.
     """
     b, s, h = hidden.shape
     chunk = min(chunk, s)
@@ -76,8 +68,7 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, tempe
     n = (s + pad) // chunk
     hs = hidden.reshape(b, n, chunk, h).swapaxes(0, 1)
     ts = targets.reshape(b, n, chunk).swapaxes(0, 1)
-    body = jax.checkpoint(lambda x: _chunk_logprobs(x[0], head, x[1], temperature))
-    lp, ent = jax.lax.map(body, (hs, ts))
+    lp, ent = sampled_logprobs(hs, head, ts, temperature)
     lp = lp.swapaxes(0, 1).reshape(b, n * chunk)[:, :s]
     ent = ent.swapaxes(0, 1).reshape(b, n * chunk)[:, :s]
     return lp, ent

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_trainer import kernels
 from jax_trainer.models.config import ModelConfig, RopeConfig
 from jax_trainer.sharding import constrain
 
@@ -30,14 +31,9 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str, std: float = 0.
 
 
 def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
-    """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32."""
-    out = jax.lax.dot_general(
-        x.astype(dtype),
-        kernel.astype(dtype),
-        ((tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract))), ((), ())),
-        preferred_element_type=jnp.float32,
-    )
-    return out.astype(dtype)
+    """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32
+    (`jax_trainer.kernels.dense`: its backward pass is written by hand)."""
+    return kernels.dense(x, kernel, contract, dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -48,9 +44,7 @@ class RMSNorm(nnx.Module):
         self.weight = _param(None, (dim,), (axis_name,), param_dtype, "ones")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * xf.astype(x.dtype)
+        return kernels.rms_norm(x, self.weight[...], self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> jax.Array:
@@ -86,8 +80,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
+ATTENTION_BLOCK = 128  # queries per block of `kernels.causal_attention`; key blocks after the block are skipped
+
+
 class Attention(nnx.Module):
-    """Causal grouped-query attention with optional q/k/v bias and per-head q/k RMSNorm (Qwen3)."""
+    """Causal grouped-query attention with optional q/k/v bias and per-head q/k RMSNorm (Qwen3).
+
+    `mask` [batch, seq, seq] (query, key) must be causal (the decoder's causal-and-same-segment mask).
+    """
 
     def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
         h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -124,14 +124,10 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         b, s = x.shape[:2]
-        # [batch, q_len, kv_heads, group, head_dim]: each KV head serves `q_per_kv` query heads without a copy.
-        q = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / math.sqrt(cfg.head_dim)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32).astype(dt)
-        out = out.reshape(b, s, cfg.num_heads, cfg.head_dim)
+        # head-major [batch, kv_heads, group, seq, head_dim]: each KV head serves `q_per_kv` query heads
+        q = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim).transpose(0, 2, 3, 1, 4)
+        out = kernels.causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, ATTENTION_BLOCK)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, cfg.num_heads, cfg.head_dim)
         out = dense(out, self.o_proj[...], 2, dt)
         if cfg.o_bias:
             out = out + self.o_bias[...].astype(dt)
@@ -160,7 +156,7 @@ class MLP(nnx.Module):
         if self.bias:
             gate = gate + self.gate_bias[...].astype(dt)
             up = up + self.up_bias[...].astype(dt)
-        inner = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+        inner = constrain(kernels.swiglu(gate, up), ("batch", "length", "act_mlp"))
         out = dense(inner, self.down_proj[...], 1, dt)
         if self.bias:
             out = out + self.down_bias[...].astype(dt)

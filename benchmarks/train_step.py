@@ -1,0 +1,330 @@
+"""Tokens/s of the jitted GRPO step against eager PyTorch, and its FLOP/s against the measured matmul peak.
+
+One run starts three worker processes, so that each side's peak memory is its own:
+
+- `jax`: `GRPOTrainer.step` (forward, chunked token logprobs, GRPO loss, backward, global-norm clip, AdamW);
+- `torch`: the same step in eager PyTorch: HF `Qwen2ForCausalLM` on the same weights (exported by our
+  bridge, loaded by transformers), the same loss written in torch, `clip_grad_norm_`, `torch.optim.AdamW`;
+- `peak`: a large float32 matmul through jax, the machine's practical FLOP/s ceiling.
+
+The parent runs them in rounds, one after the other and in alternating order, so that load from other
+processes on the machine hits all of them alike; figures are medians over rounds with min and max beside.
+Both steps take pi_old from the batch's inference logprobs (`logprob_source = "inference"`), so each step is
+exactly one forward, one backward and one optimizer update; the first step's loss and gradient norm of the two
+sides are printed next to each other to show they compute the same thing.
+
+Model FLOPs per token (matmuls only, a multiply-add = 2 FLOPs, backward = 2 x forward):
+
+    6 * N + 6 * layers * heads * head_dim * (seq + 1)
+
+N = the parameters that multiply activations (q, k, v, o, gate, up, down of every layer and the LM head; not
+the embedding lookup, norms or biases); the second term is QK^T and PV of causal attention, where a query
+attends (seq + 1) / 2 keys on average. `flops_per_token_full_attention` uses seq instead of (seq + 1) / 2 (the
+PaLM convention) for comparison.
+
+    python benchmarks/train_step.py [--rounds 5] [--steps 3] [--no-xla-flags]
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+LR, WEIGHT_DECAY, BETAS, EPS, GRAD_CLIP = 1e-5, 0.01, (0.9, 0.99), 1e-8, 0.1
+PROMPT_LEN = 64
+
+
+def hf_config(args) -> dict:
+    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": args.vocab,
+            "hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6, "max_position_embeddings": max(args.seq, 2048), "rope_theta": 10000.0,
+            "torch_dtype": "float32"}
+
+
+def make_batch(args) -> dict[str, np.ndarray]:
+    """[1 micro-batch, batch rows, seq]: one sample per row (64 prompt tokens, the rest completion)."""
+    from jax_trainer.packing import Sample, pack
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(args.batch):
+        tokens = rng.integers(0, args.vocab, args.seq).astype(np.int32)
+        logprobs = np.zeros(args.seq, np.float32)
+        logprobs[PROMPT_LEN:] = -np.log(args.vocab) + rng.normal(0, 0.1, args.seq - PROMPT_LEN)
+        samples.append(Sample(tokens, PROMPT_LEN, logprobs, float(rng.normal()), 0, name=f"row{i}"))
+    return pack(samples, rows=args.batch, seq_len=args.seq).arrays()
+
+
+def flops_per_token(args, causal: bool = True) -> float:
+    h, n, kv, m, layers = args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers
+    d = h // n
+    n_matmul = layers * (h * n * d + 2 * h * kv * d + n * d * h + 3 * h * m) + h * args.vocab
+    context = (args.seq + 1) / 2 if causal else args.seq
+    return 6 * n_matmul + 12 * layers * n * d * context
+
+
+# ---- workers: read "run K" lines, answer one JSON line each --------------------------------------------------
+def _serve(setup, step) -> None:
+    ready = setup()
+    print(json.dumps({"ready": True, **ready}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "quit":
+            break
+        times = []
+        for _ in range(int(cmd[1])):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"times": times}), flush=True)
+    print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
+
+
+def worker_jax(args) -> None:
+    if args.xla_flags:
+        from jax_trainer import xla_flags
+
+        xla_flags.apply("cpu")
+    import jax
+    from flax import nnx
+
+    from jax_trainer.loss import LossSettings
+    from jax_trainer.models import load_hf
+    from jax_trainer.optim import OptimSettings
+    from jax_trainer.sharding import make_mesh
+    from jax_trainer.train_step import GRPOTrainer
+
+    compile_s = []
+    events = {"/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+              "/jax/core/compile/backend_compile_duration"}
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compile_s.append(secs) if event in events else None)
+    box = {}
+
+    def setup():
+        mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+        model = load_hf(args.model_dir, mesh=mesh, verify=False)
+        optim = OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+                              grad_clip=GRAD_CLIP, warmup_steps=0)
+        trainer = GRPOTrainer(model, mesh, LossSettings(logprob_source="inference"), optim)
+        box["trainer"], box["state"] = trainer, trainer.init_state(nnx.split(model)[1])
+        box["batch"] = trainer.device_batch(_packed(make_batch(args)))
+        compile_s.clear()
+        t0 = time.perf_counter()
+        box["state"], metrics = trainer.step(box["state"], box["batch"])
+        jax.block_until_ready(box["state"])
+        first = time.perf_counter() - t0
+        return {"compile_s": sum(compile_s), "first_step_s": first, "loss": float(metrics["loss"]),
+                "grad_norm": float(metrics["grad_norm"]), "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
+
+    def step():
+        box["state"], metrics = box["trainer"].step(box["state"], box["batch"])
+        jax.block_until_ready((box["state"], metrics))
+
+    _serve(setup, step)
+
+
+def _packed(arrays):
+    from jax_trainer.packing import PackedBatch
+
+    return PackedBatch(**arrays, versions=[0] * arrays["tokens"].shape[1], num_samples=arrays["tokens"].shape[1])
+
+
+def worker_torch(args) -> None:
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    box = {}
+
+    def loss_and_metrics(model, b):
+        """The GRPO loss of `jax_trainer.loss` (token_mean, eps 0.2/0.2, delta 4) with pi_old = inference."""
+        tokens = b["tokens"]
+        logits = model(tokens).logits[:, :-1]
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(-1, tokens[:, 1:, None])[..., 0]
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        mask, adv, old = b["loss_mask"][:, 1:], b["advantages"][:, 1:], b["inference_logprobs"][:, 1:]
+        ratio = torch.exp(lp - old)
+        surr1 = adv * torch.where(adv < 0, torch.clamp(ratio, max=4.0), ratio)
+        surr2 = adv * torch.clamp(ratio, 1 - 0.2, 1 + 0.2)
+        loss = (-torch.minimum(surr1, surr2) * mask).sum() / mask.sum().clamp(min=1)
+        return loss, (entropy * mask).sum() / mask.sum()
+
+    def run_step():
+        model, opt, b = box["model"], box["opt"], box["batch"]
+        loss, _ = loss_and_metrics(model, b)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        if torch.isfinite(loss) and torch.isfinite(norm):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss), float(norm)
+
+    def setup():
+        model = Qwen2ForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+        model.train()
+        box["model"] = model
+        box["opt"] = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        box["batch"] = {k: torch.from_numpy(v[0]) for k, v in make_batch(args).items()}
+        box["batch"]["tokens"] = box["batch"]["tokens"].long()
+        t0 = time.perf_counter()
+        loss, norm = run_step()
+        return {"first_step_s": time.perf_counter() - t0, "loss": loss, "grad_norm": norm,
+                "attn_implementation": model.config._attn_implementation, "threads": torch.get_num_threads()}
+
+    _serve(setup, run_step)
+
+
+def worker_peak(args) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    n = args.peak_n
+    matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    box = {}
+
+    def setup():
+        key_a, key_b = jax.random.split(jax.random.key(0))
+        box["a"] = jax.random.normal(key_a, (n, n), jnp.float32)
+        box["b"] = jax.random.normal(key_b, (n, n), jnp.float32)
+        matmul(box["a"], box["b"]).block_until_ready()
+        return {"n": n, "flops": 2 * n**3}
+
+    _serve(setup, lambda: matmul(box["a"], box["b"]).block_until_ready())
+
+
+def prepare(args) -> None:
+    """Random float32 weights, written as an HF directory by our bridge (both sides load these)."""
+    import jax
+
+    from jax_trainer.models import ModelConfig, export_hf, init_random
+    from jax_trainer.sharding import make_mesh
+
+    cfg = ModelConfig.from_hf(hf_config(args))
+    model = init_random(cfg, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), seed=0)
+    export_hf(model, args.model_dir, version=0, hf_config=hf_config(args), dtype="float32", fsync=False)
+
+
+# ---- parent ------------------------------------------------------------------------------------------------
+class Worker:
+    def __init__(self, kind: str, args, argv: list[str]):
+        self.kind = kind
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--model-dir", args.model_dir,
+                                      *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.kind} worker exited with status {self.proc.wait()} (see its stderr above)")
+        return json.loads(line)
+
+    def run(self, k: int) -> list[float]:
+        self.proc.stdin.write(f"run {k}\n")
+        self.proc.stdin.flush()
+        return self._read()["times"]
+
+    def close(self) -> dict:
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        self.proc.wait(timeout=60)
+        return out
+
+
+def _stats(values: list[float], digits: int = 1) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "max": round(max(values), digits)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=1408, help="SwiGLU width (8/3 x hidden, rounded up)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of jax, torch and peak, order alternating")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side per round (after one warm step)")
+    ap.add_argument("--peak-n", type=int, default=2048, help="the peak matmul is [n, n] @ [n, n] float32")
+    ap.add_argument("--peak-reps", type=int, default=10, help="peak matmuls per round")
+    ap.add_argument("--no-xla-flags", dest="xla_flags", action="store_false",
+                    help="do not apply jax_trainer.xla_flags (to measure what they bring)")
+    ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        {"jax": worker_jax, "torch": worker_torch, "peak": worker_peak, "prepare": prepare}[args.worker](args)
+        return
+
+    argv = [a for a in sys.argv[1:]]
+    with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
+        args.model_dir = str(Path(tmp) / "model")
+        subprocess.run([sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv],
+                       check=True)
+        workers = {k: Worker(k, args, argv) for k in ("jax", "torch", "peak")}
+        times = {k: [] for k in workers}
+        for r in range(args.rounds):
+            order = ("jax", "torch", "peak") if r % 2 == 0 else ("peak", "torch", "jax")
+            for k in order:
+                n = args.peak_reps if k == "peak" else args.steps
+                workers[k].run(1)  # the first call after the other sides ran: let caches warm again
+                times[k].append(workers[k].run(n))
+        ready = {k: w.ready for k, w in workers.items()}
+        rss = {k: w.close()["peak_rss_mb"] for k, w in workers.items()}
+
+    tokens = args.batch * args.seq
+    tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in ("jax", "torch")}
+    peak = [ready["peak"]["flops"] / statistics.median(ts) / 1e9 for ts in times["peak"]]
+    fpt = flops_per_token(args)
+    jax_gflops = [t * fpt / 1e9 for t in tok_s["jax"]]
+    torch_gflops = [t * fpt / 1e9 for t in tok_s["torch"]]
+    ratio = [j / t for j, t in zip(tok_s["jax"], tok_s["torch"])]
+    util = [g / p for g, p in zip(jax_gflops, peak)]
+    print(json.dumps({
+        "benchmark": "train_step",
+        "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")},
+        "seq": args.seq, "batch": args.batch, "dtype": "float32", "tokens_per_step": tokens,
+        "rounds": args.rounds, "steps_per_round": args.steps,
+        "jax_tokens_per_s": _stats(tok_s["jax"]),
+        "torch_tokens_per_s": _stats(tok_s["torch"]),
+        "ratio": round(statistics.median(ratio), 3),
+        "ratio_per_round": [round(x, 3) for x in ratio],
+        "flops_per_token": fpt,
+        "flops_per_token_full_attention": flops_per_token(args, causal=False),
+        "jax_gflops": _stats(jax_gflops),
+        "torch_gflops": _stats(torch_gflops),
+        "peak_matmul_gflops": _stats(peak),
+        "utilisation": round(statistics.median(util), 3),
+        "utilisation_per_round": [round(x, 3) for x in util],
+        "torch_utilisation": round(statistics.median(torch_gflops) / statistics.median(peak), 3),
+        "jax_compile_s": round(ready["jax"]["compile_s"], 2),
+        "jax_first_step_s": round(ready["jax"]["first_step_s"], 2),
+        "torch_first_step_s": round(ready["torch"]["first_step_s"], 2),
+        "peak_rss_mb": {k: round(rss[k]) for k in ("jax", "torch", "peak")},
+        "first_step": {"jax_loss": ready["jax"]["loss"], "torch_loss": ready["torch"]["loss"],
+                       "jax_grad_norm": ready["jax"]["grad_norm"], "torch_grad_norm": ready["torch"]["grad_norm"]},
+        "xla_flags": ready["jax"]["xla_flags"],
+        "torch_threads": ready["torch"]["threads"],
+        "torch_attn_implementation": ready["torch"]["attn_implementation"],
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
