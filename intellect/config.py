@@ -289,8 +289,8 @@ class ShardcastConfig(Section):
     """Upstream servers a relay mirrors (empty: the origin at http://host:port)."""
     keep_versions: int = Field(3, gt=0)
     """Newest policy versions each server keeps; at least trainer.async_level + 1."""
-    parallel: int = Field(4, gt=0, le=64)
-    """Parallel downloads of one client or relay (parts of files, each from any server)."""
+    parallel: int = Field(0, ge=0, le=64)
+    """Concurrent part downloads of one client or relay, each from any server; 0: one per CPU core, at most 4."""
     part_mib: int = Field(64, gt=0)
     """Files are fetched in parts of this many MiB; a broken part resumes with Range from any server."""
     timeout_s: float = Field(30.0, gt=0)

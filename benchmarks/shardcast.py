@@ -1,0 +1,345 @@
+"""SHARDCAST speed on loopback, side by side in one run: ours, the reference, and the raw socket limit.
+
+    python benchmarks/shardcast.py [--mib 512] [--clients 1,4] [--reference /tmp/shardcast_ref] [--repeat 3]
+
+A version of `--mib` MiB (an HF-like directory: config.json plus one safetensors shard, as `export_params`
+writes a model of that size) goes origin -> 2 relays -> N clients, for every N in `--clients`:
+
+- ours: `intellect shardcast origin`, two `relay`s on the origin, N `fetch` processes on both relays, all
+  started first; the clock starts when the version is published (its directory renamed into the weights
+  directory and STABLE written, as the learner does) and stops when the last client process has exited with
+  the version verified and landed. Run twice: with the defaults (every hop fsyncs before STABLE: "ours"),
+  and without fsync, as the reference runs ("ours_no_fsync");
+- the reference (PyPI `shardcast` 0.3.2, installed with `pip install --no-deps --target DIR`; it needs
+  `wget` and `blake3`): an `OriginServer`, two `MiddleNode`s and N `ClientNode`s in their own processes
+  (each with its own copy of the package); the clock starts when `broadcast()` is called on the same file
+  and stops when the last client has reassembled and verified it. Its polls get their best case: relays
+  check every 0.1 s (the default is 30 s) and clients ask every 0.1 s;
+- raw: one plain TCP stream of the same bytes on loopback (sendfile from a second process, received into a
+  buffer and dropped), the physical limit of a single client's transfer here.
+
+Per-client MB/s is each client's own transfer (from its first request to the version landed, for the
+reference from seeing the version to the verified file). Repeats are interleaved; the summary gives best and
+median per contestant. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+MIB = 1 << 20
+
+_REF_ORIGIN = r"""
+import json, sys, time, os
+from shardcast.origin_server import OriginServer
+origin = OriginServer(sys.argv[1], int(sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.time()
+origin.broadcast(sys.argv[3], 50_000_000)
+print(json.dumps({"broadcast_s": time.time() - t}), flush=True)
+sys.stdin.readline()
+"""
+_REF_MIDDLE = r"""
+import sys, time
+from shardcast.middle_node import MiddleNode
+node = MiddleNode([sys.argv[1]], sys.argv[2], int(sys.argv[3]), check_interval=0.1)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+_REF_CLIENT = r"""
+import json, sys, time
+from shardcast.client_node import ClientNode
+client = ClientNode(sys.argv[1].split(","), sys.argv[2])
+print("ready", flush=True)
+start, attempts, out = None, 0, None
+while out is None:  # it re-reads the relays' distribution files, which the relays rewrite as they go
+    if "v1" in client.list_available_versions():
+        start = start or time.time()
+        attempts += 1
+        out = client.download_version("v1", sys.argv[3])
+    if out is None:
+        time.sleep(0.1)
+print(json.dumps({"ok": True, "seconds": time.time() - start, "attempts": attempts}), flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Child processes, killed at the end whatever happens."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, argv, log: Path, **kw) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True, **kw)
+        self.procs.append(proc)
+        return proc
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self.procs.clear()
+
+
+def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if needle in line:
+            return line
+        if not line and proc.poll() is not None:
+            break
+    raise RuntimeError(f"process {proc.args} did not print {needle!r} (exit {proc.poll()})")
+
+
+def exit_times(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[float]:
+    """Wall-clock exit time of each process (a thread per process); fails after `timeout` seconds."""
+    times = [0.0] * len(procs)
+
+    def wait(i: int) -> None:
+        try:
+            procs[i].wait(timeout)
+            times[i] = time.time()
+        except subprocess.TimeoutExpired:
+            pass
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(procs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not all(times):
+        raise RuntimeError(f"{times.count(0.0)} client(s) still running after {timeout:.0f} s")
+    return times
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * MIB):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- raw loopback -------------------------------------------------------------------------------------
+
+def raw_serve(port: int, path: str) -> None:
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        with conn, open(path, "rb") as f:
+            size, offset = os.fstat(f.fileno()).st_size, 0
+            while offset < size:
+                offset += os.sendfile(conn.fileno(), f.fileno(), offset, size - offset)
+
+
+def raw_loopback(payload: Path, procs: Procs, work: Path) -> float:
+    port = free_port()
+    server = procs.start([PY, __file__, "--raw-serve", str(port), str(payload)], work / "raw.log")
+    wait_line(server, "ready")
+    buf = memoryview(bytearray(4 * MIB))
+    got = 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        t = time.perf_counter()
+        while n := s.recv_into(buf):
+            got += n
+        seconds = time.perf_counter() - t
+    server.wait()
+    return got / seconds / 1e6
+
+
+# ---- ours ---------------------------------------------------------------------------------------------
+
+def stage_version(payload: Path, staging: Path) -> None:
+    """An HF-like version 1 in `staging` (hard link to the payload: the same bytes, no copy)."""
+    staging.mkdir(parents=True)
+    (staging / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16"}) + "\n")
+    os.link(payload, staging / "model-00001-of-00001.safetensors")
+    files = [{"name": p.name, "size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(staging.iterdir())]
+    manifest = {"version": 1, "files": files, "total_size": sum(f["size"] for f in files), "created": "bench"}
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def run_ours(payload: Path, clients: int, work: Path, procs: Procs, settings: dict[str, str]) -> dict:
+    weights, staging = work / "weights", work / "staging" / "v000001"
+    weights.mkdir()
+    stage_version(payload, staging)
+    cli = [PY, "-m", "intellect", "shardcast"]
+    env = {**os.environ, "INTELLECT_RUN__LOG_LEVEL": "WARNING", **settings}
+    origin = procs.start([*cli, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO,
+                         env=env)
+    origin_url = wait_line(origin, "serving").split()[-1]
+    relays = []
+    for i in range(2):
+        relay = procs.start([*cli, "relay", "--upstream", origin_url, "--dir", str(work / f"relay{i}"), "--port",
+                             "0"], work / f"relay{i}.log", cwd=REPO, env=env)
+        relays.append(wait_line(relay, "serving").split()[-1])
+    fetchers = [procs.start([*cli, "fetch", "--servers", ",".join(relays), "--out", str(work / f"client{i}"),
+                             "--wait", "300", "--json"], work / f"client{i}.log", cwd=REPO, env=env)
+                for i in range(clients)]
+    time.sleep(2.0)  # every client is up and long-polling
+    t0 = time.time()
+    os.rename(staging, weights / "v000001")
+    (weights / "v000001" / "STABLE").write_text("1\n")
+    done = exit_times(fetchers)
+    results = []
+    for i, proc in enumerate(fetchers):
+        out = proc.stdout.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"client {i} failed: {(work / f'client{i}.log').read_text()[-2000:]}")
+        results.append(json.loads(out))
+    landed = work / "client0" / "v000001" / "model-00001-of-00001.safetensors"
+    assert landed.stat().st_size == payload.stat().st_size and sha256(landed) == sha256(payload)
+    procs.kill_all()
+    return {"end_to_end_s": round(max(done) - t0, 3), "per_client_mb_s": [r["mb_per_s"] for r in results],
+            "per_client_transfer_s": [r["seconds"] for r in results]}
+
+
+# ---- the reference ------------------------------------------------------------------------------------
+
+def _reference_env(ref_dir: Path, work: Path, name: str) -> dict:
+    """Each process gets its own copy of the package: the reference keeps temporary files next to its own
+    source (`temp_distribution.txt`), which processes sharing one installation would overwrite."""
+    copy = work / f"pkg-{name}"
+    shutil.copytree(ref_dir / "shardcast", copy / "shardcast")
+    return {**os.environ, "PYTHONPATH": str(copy), "SHARDCAST_LOG_LEVEL": "WARNING"}
+
+
+def run_reference(payload: Path, clients: int, work: Path, procs: Procs, ref_dir: Path) -> dict:
+    dirs = [work / "ref-origin", work / "ref-relay0", work / "ref-relay1"]
+    for d in dirs:
+        d.mkdir()
+        (d / "data1.bin").write_bytes(b"x" * 1024)  # the reference's clients fetch this from every server at start
+    port = free_port()
+    origin = procs.start([PY, "-c", _REF_ORIGIN, str(dirs[0]), str(port), str(payload)], work / "ref-origin.log",
+                         env=_reference_env(ref_dir, work, "origin"), stdin=subprocess.PIPE)
+    wait_line(origin, "ready")
+    relays = []
+    for i in range(2):
+        rport = free_port()
+        relay = procs.start([PY, "-c", _REF_MIDDLE, f"http://127.0.0.1:{port}", str(dirs[i + 1]), str(rport)],
+                            work / f"ref-relay{i}.log", env=_reference_env(ref_dir, work, f"relay{i}"),
+                            stdin=subprocess.PIPE)
+        wait_line(relay, "ready")
+        relays.append(f"http://127.0.0.1:{rport}")
+    fetchers = []
+    for i in range(clients):
+        proc = procs.start([PY, "-c", _REF_CLIENT, ",".join(relays), str(work / f"ref-client{i}"),
+                            str(work / f"ref-client{i}" / "out.bin")], work / f"ref-client{i}.log",
+                           env=_reference_env(ref_dir, work, f"client{i}"))
+        wait_line(proc, "ready")
+        fetchers.append(proc)
+    time.sleep(1.0)
+    t0 = time.time()
+    origin.stdin.write("go\n")
+    origin.stdin.flush()
+    broadcast = json.loads(wait_line(origin, "broadcast_s"))["broadcast_s"]
+    done = exit_times(fetchers)
+    results = []
+    for i, proc in enumerate(fetchers):
+        out = json.loads(proc.stdout.read().strip().splitlines()[-1])
+        if not out["ok"]:
+            raise RuntimeError(f"reference client {i} failed: {(work / f'ref-client{i}.log').read_text()[-2000:]}")
+        results.append(out)
+    landed = work / "ref-client0" / "out.bin"
+    assert landed.stat().st_size == payload.stat().st_size and sha256(landed) == sha256(payload)
+    procs.kill_all()
+    size = payload.stat().st_size
+    return {"end_to_end_s": round(max(done) - t0, 3), "broadcast_s": round(broadcast, 3),
+            "per_client_mb_s": [round(size / r["seconds"] / 1e6, 1) for r in results],
+            "per_client_transfer_s": [round(r["seconds"], 3) for r in results],
+            "download_attempts": [r["attempts"] for r in results]}
+
+
+# Our variants: the defaults (fsync before STABLE at every hop), and without fsync, as the reference runs.
+VARIANTS = {"ours": {}, "ours_no_fsync": {"INTELLECT_SHARDCAST__FSYNC": "false"}}
+
+
+def summarize(entry: dict, raw: float) -> None:
+    """Best and median end-to-end time of each implementation, its slowest client as a fraction of raw."""
+    for name, runs in list(entry.items()):
+        if isinstance(runs, list) and runs:
+            times = [run["end_to_end_s"] for run in runs]
+            entry[f"{name}_best_s"], entry[f"{name}_median_s"] = min(times), statistics.median(times)
+            entry[f"{name}_slowest_client_fraction_of_raw"] = round(
+                statistics.median(min(run["per_client_mb_s"]) for run in runs) / raw, 3)
+    if entry.get("reference"):
+        for name in VARIANTS:
+            entry[f"{name}_speedup_best_vs_best"] = round(entry["reference_best_s"] / entry[f"{name}_best_s"], 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=512)
+    parser.add_argument("--clients", default="1,4", help="client counts, comma-separated")
+    parser.add_argument("--reference", type=Path, default=Path("/tmp/shardcast_ref"),
+                        help="directory where PyPI shardcast 0.3.2 is installed (--target); absent: skipped")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--raw-serve", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_serve:
+        return raw_serve(int(args.raw_serve[0]), args.raw_serve[1])
+    counts = [int(c) for c in args.clients.split(",")]
+    has_reference = (args.reference / "shardcast").is_dir() and shutil.which("wget") is not None
+    root = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
+    procs = Procs()
+    report: dict = {"mib": args.mib, "cpus": os.cpu_count(), "repeat": args.repeat, "raw_loopback_mb_s": [],
+                    "topologies": {}}
+    try:
+        payload = root / "payload.bin"
+        with open(payload, "wb") as f:
+            for _ in range(args.mib):
+                f.write(os.urandom(MIB))
+        for r in range(args.repeat):  # interleaved, so that a noisy moment hits every contestant
+            report["raw_loopback_mb_s"].append(round(raw_loopback(payload, procs, root), 1))
+            for n in counts:
+                entry = report["topologies"].setdefault(f"origin->2 relays->{n} clients",
+                                                        {name: [] for name in [*VARIANTS, "reference"]})
+                for name, settings in VARIANTS.items():
+                    work = root / f"{name}-{n}-{r}"
+                    work.mkdir()
+                    entry[name].append(run_ours(payload, n, work, procs, settings))
+                    shutil.rmtree(work)
+                if has_reference:
+                    work = root / f"ref-{n}-{r}"
+                    work.mkdir()
+                    entry["reference"].append(run_reference(payload, n, work, procs, args.reference))
+                    shutil.rmtree(work)
+        raw = statistics.median(report["raw_loopback_mb_s"])
+        report["raw_loopback_median_mb_s"] = raw
+        for entry in report["topologies"].values():
+            if not has_reference:
+                entry["reference"] = (f"not run: PyPI shardcast 0.3.2 not found under {args.reference} or no "
+                                      "wget; the issue quotes 4.4-7.4 s for 1 client")
+            summarize(entry, raw)
+    finally:
+        procs.kill_all()
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The SHARDCAST client: what a worker (and a relay, for its upstreams) uses to get policy versions.
+
+    client = ShardcastClient(["http://relay-a:8101", "http://relay-b:8102"])
+    version = client.wait_for_version(after=current, timeout=600)   # long-polls every server at once
+    result = client.fetch(version, "weights/")                       # -> weights/v000123/, verified, STABLE
+    result.path, result.mb_per_s
+
+`fetch` asks every server which versions it holds, takes the manifest from one that holds the version (and
+checks it against `manifest_sha256` when the caller knows it from a trusted source), then downloads with
+`Download` (parallel parts, weighted server choice, Range resume, sha256 per file, atomic landing). The
+client keeps its `ServerPool` between fetches, so what it learned about the servers' speed carries over.
+
+Trust: every file is checked against the manifest, so no server can slip in bytes the manifest does not
+vouch for; the manifest itself is believed from the first server that offers it unless `manifest_sha256`
+pins it (relays pass on the exact manifest bytes, so one sha256 identifies a version on every server).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from bridge.shardcast.disk import held_version
+from bridge.shardcast.download import Download, FetchResult
+from bridge.shardcast.errors import FetchError, ShardcastError, TransferError, WaitTimeout
+from bridge.shardcast.manifest import DEFAULT_MAX_VERSION_BYTES, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from bridge.shardcast.names import (
+    MANIFEST_FILE, STABLE_FILE, ServerURL, check_version, parse_server_list, version_dirname,
+)
+from bridge.shardcast.pool import ServerPool
+from bridge.shardcast.transfer import HAVE_SPLICE, get_bytes, get_json
+
+log = logging.getLogger("shardcast.client")
+
+MAX_LISTING_BYTES = 1 << 20
+MAX_POLL_S = 30.0
+LATE_S = 1.0
+
+
+def parse_listing(doc: object, server: ServerURL) -> list[int]:
+    """The `versions` of a `/versions` answer, validated."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("versions"), list) or len(doc["versions"]) > 100_000:
+        raise TransferError(server, "/versions: expected {\"latest\": ..., \"versions\": [...]}")
+    try:
+        versions = sorted(check_version(v, f"{server}/versions") for v in doc["versions"])
+    except ShardcastError as e:
+        raise TransferError(server, str(e)) from None
+    if doc.get("latest") != (versions[-1] if versions else None):
+        raise TransferError(server, f"/versions: 'latest' {doc.get('latest')!r} is not the newest of the versions")
+    return versions
+
+
+class ShardcastClient:
+    def __init__(self, servers: str | Iterable[str], *, timeout: float = 30.0, patience: float = 300.0,
+                 parallel: int = 0, part_bytes: int = 64 << 20, max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
+                 fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None):
+        """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
+        `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
+        concurrent downloads, 0 for one per CPU up to 4 (receiving and hashing are CPU work: more streams than
+        cores only contend)."""
+        self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
+        self.parallel = parallel or min(4, os.cpu_count() or 1)
+        self.timeout, self.patience, self.part_bytes = timeout, patience, part_bytes
+        self.max_version_bytes, self.fsync, self.use_splice = max_version_bytes, fsync, use_splice
+        self.pool = pool or ServerPool(self.servers)
+        self.last_errors: dict[ServerURL, str] = {}
+
+    # ---- what the servers hold ------------------------------------------------------------------------
+
+    def _listing(self, server: ServerURL, after: int | None = None, wait: float = 0.0, on_open=None) -> list[int]:
+        path = "/versions"
+        if wait > 0:
+            path += f"?wait={wait:.3f}" + (f"&after={after}" if after is not None else "")
+        doc = get_json(server, path, timeout=self.timeout, limit=MAX_LISTING_BYTES, wait=wait, on_open=on_open)
+        return parse_listing(doc, server)
+
+    def versions(self, servers: Iterable[ServerURL] | None = None) -> dict[ServerURL, list[int]]:
+        """Versions held by the servers that answer, asked in parallel; the others land in `last_errors`.
+        Once one server has answered, the slower ones get `LATE_S` more seconds, so one hung server does not
+        hold up every fetch for a whole time-out."""
+        servers = list(servers or self.servers)
+        found: dict[ServerURL, list[int]] = {}
+        pool = cf.ThreadPoolExecutor(len(servers))
+        futures = {pool.submit(self._listing, s): s for s in servers}
+        deadline = time.monotonic() + self.timeout + 1.0
+        pending = set(futures)
+        try:
+            while pending and (left := deadline - time.monotonic()) > 0:
+                done, pending = cf.wait(pending, timeout=left, return_when=cf.FIRST_COMPLETED)
+                for fut in done:
+                    server = futures[fut]
+                    try:
+                        found[server] = fut.result()
+                        self.last_errors.pop(server, None)
+                        deadline = min(deadline, time.monotonic() + LATE_S)
+                    except ShardcastError as e:
+                        self.last_errors[server] = str(e)
+            for fut in pending:
+                self.last_errors[futures[fut]] = f"{futures[fut]}: no answer to /versions in time"
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return found
+
+    def latest(self) -> int | None:
+        """The newest version any server offers (None when none offers anything)."""
+        return max((v[-1] for v in self.versions().values() if v), default=None)
+
+    def wait_for_version(self, after: int | None = None, timeout: float = 600.0) -> int:
+        """The newest version a server offers that is newer than `after` (any version when None), waiting up to
+        `timeout` seconds; every server is long-polled at once and the first to have one answers."""
+        deadline = time.monotonic() + timeout
+        found: queue.Queue[int] = queue.Queue()
+        stop = threading.Event()
+        socks: set[socket.socket] = set()
+        socks_lock = threading.Lock()
+
+        def register(sock: socket.socket) -> None:
+            with socks_lock:
+                if stop.is_set():
+                    raise OSError("the wait is over")
+                socks.add(sock)
+
+        def poll(server: ServerURL) -> None:
+            backoff = 0.1
+            while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
+                try:
+                    versions = self._listing(server, after, min(left, MAX_POLL_S), on_open=register)
+                    self.last_errors.pop(server, None)
+                    backoff = 0.1
+                    if versions and (after is None or versions[-1] > after):
+                        found.put(versions[-1])
+                        return
+                except ShardcastError as e:
+                    if stop.is_set():
+                        return
+                    self.last_errors[server] = str(e)
+                    stop.wait(min(backoff, max(0.0, deadline - time.monotonic())))
+                    backoff = min(2 * backoff, 2.0)
+
+        threads = [threading.Thread(target=poll, args=(s,), daemon=True, name=f"shardcast-poll-{s}")
+                   for s in self.servers]
+        for t in threads:
+            t.start()
+        try:
+            return found.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            errors = "; ".join(self.last_errors.get(s, f"{s}: nothing newer") for s in self.servers)
+            raise WaitTimeout(f"no version newer than {after} within {timeout:.0f} s ({errors})") from None
+        finally:
+            with socks_lock:
+                stop.set()
+                for sock in socks:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    # ---- fetching -------------------------------------------------------------------------------------
+
+    def fetch(self, version: int | str, out_root: str | Path, *, wait: float = 0.0,
+              manifest_sha256: str | None = None,
+              on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
+        """Fetch `version` ("latest" or an int) into `out_root/v{version:06d}/` and return what happened.
+
+        `wait`: seconds to wait for the version to be offered (0: fail at once if no server has it).
+        A version already complete in `out_root` is returned without a transfer."""
+        out_root = Path(out_root)
+        if version != "latest":
+            version = check_version(version, "version")
+            local = out_root / version_dirname(version)
+            if (local / STABLE_FILE).exists():
+                held = held_version(local, version, manifest_sha256)
+                return FetchResult(version, local, held.total_size, 0, 0, 0.0, {}, already_present=True)
+        holders, version = self._locate(version, wait)
+        manifest = self._manifest(version, holders, manifest_sha256)
+        log.info("fetching %s (%d files, %.1f MiB) from %s", version_dirname(version), len(manifest.files),
+                 manifest.total_size / 2**20, ", ".join(map(str, holders)))
+        download = Download(
+            manifest=manifest, root=out_root, pool=self.pool, candidates=set(holders),
+            refresh=lambda: {s for s, vs in self.versions().items() if version in vs},
+            timeout=self.timeout, patience=self.patience, parallel=self.parallel, part_bytes=self.part_bytes,
+            fsync=self.fsync, use_splice=self.use_splice, on_progress=on_progress)
+        result = download.run()
+        if not result.already_present:
+            log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s)", version_dirname(version),
+                     result.received_bytes / 2**20, result.seconds, result.mb_per_s)
+        return result
+
+    def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int]:
+        """The servers that offer `version` (resolving "latest"), waiting up to `wait` seconds for one."""
+        deadline = time.monotonic() + wait
+        while True:
+            listings = self.versions()
+            if version == "latest":
+                target = max((vs[-1] for vs in listings.values() if vs), default=None)
+            else:
+                target = version
+            holders = [s for s, vs in listings.items() if target is not None and target in vs]
+            if holders:
+                return sorted(holders, key=str), target
+            left = deadline - time.monotonic()
+            if left <= 0:
+                offered = {str(s): vs for s, vs in listings.items()}
+                errors = "; ".join(self.last_errors.values())
+                what = "any version" if version == "latest" else f"version {version}"
+                raise FetchError(f"no server offers {what} (offered: {offered or 'nothing'}"
+                                 + (f"; errors: {errors}" if errors else "") + ")")
+            newest = max((vs[-1] for vs in listings.values() if vs), default=None)
+            after = None if version == "latest" or version == 0 else version - 1
+            if after is not None and newest is not None and newest >= version:
+                time.sleep(min(left, 0.5))  # it was offered but not by anyone right now: look again shortly
+                continue
+            try:
+                self.wait_for_version(after, left)
+            except WaitTimeout:
+                pass
+
+    def _manifest(self, version: int, holders: list[ServerURL], pin: str | None) -> Manifest:
+        """The version's manifest from the first holder (in pool order) that serves a valid one."""
+        errors: list[str] = []
+        remaining = list(holders)
+        while remaining:
+            server = self.pool.choose(remaining) or remaining[0]
+            remaining.remove(server)
+            path = f"/v/{version}/{MANIFEST_FILE}"
+            try:
+                raw = get_bytes(server, path, timeout=self.timeout, limit=MAX_MANIFEST_BYTES)
+                manifest = parse_manifest(raw, f"{server}{path}", version=version, max_total=self.max_version_bytes)
+            except ShardcastError as e:
+                self.pool.record(server, False)
+                errors.append(str(e))
+                continue
+            if pin is not None and manifest.sha256 != pin:
+                self.pool.distrust(server)
+                errors.append(f"{server}{path}: sha256 {manifest.sha256} is not the expected {pin}")
+                continue
+            return manifest
+        raise FetchError(f"no valid manifest for version {version}: " + "; ".join(errors))

@@ -1,0 +1,118 @@
+"""A relay: mirrors its upstreams (an origin or other relays) and serves what it has verified.
+
+The mirror runs in a thread with a `ShardcastClient` on the upstreams: it long-polls them for a version
+newer than its newest, fetches the new versions (newest first, at most `keep` of them) with the same
+parallel, verified, resumable download a worker uses, and hands each landed version to the event loop, which
+advertises it. So a relay never offers a version before every file of it has passed its sha256 check, and a
+chain of relays behaves like one. Retention (`keep`, `grace_s`) is the `VersionStore`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from bridge.shardcast.client import ShardcastClient
+from bridge.shardcast.errors import ShardcastError, WaitTimeout
+from bridge.shardcast.manifest import Manifest, parse_manifest
+from bridge.shardcast.names import MANIFEST_FILE, parse_version_dirname, version_dirname
+from bridge.shardcast.server import ShardcastServer
+from bridge.shardcast.store import VersionStore
+
+log = logging.getLogger("shardcast.relay")
+
+
+def _leftovers(root: Path, superseded: int | None) -> None:
+    """Remove what is of no more use: interrupted deletions, and partial fetches of versions at or below
+    `superseded` (the newest landed version); newer partial fetches stay, to be resumed."""
+    for path in root.iterdir():
+        name = path.name
+        if name.startswith(".v") and ".deleting-" in name:
+            shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".") and name.endswith(".partial") and superseded is not None:
+            version = parse_version_dirname(name[1:-len(".partial")])
+            if version is not None and version <= superseded:
+                shutil.rmtree(path, ignore_errors=True)
+                (root / f".{version_dirname(version)}.lock").unlink(missing_ok=True)
+
+
+class Mirror:
+    """Keeps `root` in step with the upstreams; `run()` loops until `stop` is set."""
+
+    def __init__(self, client: ShardcastClient, root: Path, keep: int, newest: int | None,
+                 on_landed: Callable[[int, Manifest], None], stop: threading.Event):
+        self.client, self.root, self.keep, self.newest = client, root, keep, newest
+        self.on_landed, self.stop = on_landed, stop
+        self._reported: str | None = None
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                latest = self.client.wait_for_version(self.newest, timeout=30.0)
+            except WaitTimeout as e:
+                self._report(str(e) if self.client.last_errors else None)
+                continue
+            self._report(None)
+            offered = {v for vs in self.client.versions().values() for v in vs}
+            wanted = sorted({v for v in offered | {latest} if self.newest is None or v > self.newest})[-self.keep:]
+            for version in reversed(wanted):
+                if self.stop.is_set():
+                    return
+                self._mirror(version)
+            _leftovers(self.root, self.newest)
+
+    def _mirror(self, version: int) -> None:
+        try:
+            result = self.client.fetch(version, self.root)
+            raw = (result.path / MANIFEST_FILE).read_bytes()
+            manifest = parse_manifest(raw, str(result.path / MANIFEST_FILE), version=version)
+        except (ShardcastError, OSError) as e:
+            log.error("could not mirror %s: %s", version_dirname(version), e)
+            self.stop.wait(1.0)
+            return
+        self.on_landed(version, manifest)
+        self.newest = version if self.newest is None else max(self.newest, version)
+
+    def _report(self, problem: str | None) -> None:
+        if problem != self._reported:
+            if problem:
+                log.warning("upstreams unreachable: %s", problem)
+            elif self._reported:
+                log.info("upstreams reachable again")
+            self._reported = problem
+
+
+async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port: int, keep: int,
+                      ready: Callable[[str], None], grace_s: float = 60.0, timeout: float = 30.0,
+                      patience: float = 300.0, parallel: int = 0, part_bytes: int = 64 << 20,
+                      max_version_bytes: int | None = None, fsync: bool = True, max_connections: int = 1024,
+                      max_per_ip: int = 64, test_fault: str | None = None) -> None:
+    """Mirror and serve until cancelled; `ready(url)` is called once the port is bound."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
+    client = ShardcastClient(upstreams, timeout=timeout, patience=patience, parallel=parallel,
+                             part_bytes=part_bytes, fsync=fsync, **client_args)
+    store = VersionStore(root, keep=keep, grace_s=grace_s)
+    store.scan()
+    _leftovers(root, store.latest)
+    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout,
+                             max_connections=max_connections, max_per_ip=max_per_ip, test_fault=test_fault)
+    ready(await server.start())
+    loop = asyncio.get_running_loop()
+    stop = threading.Event()
+    mirror = Mirror(client, root, keep, store.latest,
+                    lambda v, m: loop.call_soon_threadsafe(store.add, v, m), stop)
+    thread = threading.Thread(target=mirror.run, name="shardcast-mirror", daemon=True)
+    thread.start()
+    try:
+        while True:
+            await asyncio.sleep(min(1.0, grace_s / 4) or 0.05)
+            store.prune()
+    finally:
+        stop.set()
+        await server.stop()
