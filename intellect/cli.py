@@ -47,7 +47,7 @@ COMMANDS = (
     Command("worker", "a rollout worker: vLLM generation with TOPLOC proofs", issue=8, takes_config=True),
     Command("validator", "a validator: prefill, TOPLOC and rollout checks", issue=8, takes_config=True),
     Command("orchestrator", "the coordination service (HTTP API)", module="orchestrator.cli", takes_config=True),
-    Command("shardcast", "weight broadcast: origin, relay or fetch", module="bridge.shardcast.cli",
+    Command("shardcast", "weight broadcast: origin, relay or fetch", module="intellect.shardcast_cli",
             takes_config=True),
     Command("export", "an orbax checkpoint as a Hugging Face directory", module="intellect.export_hf",
             takes_config=True),
