@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import json
 import os
@@ -64,6 +65,8 @@ async_level = 2
 class Recorder:
     def __init__(self) -> None:
         self.latency: dict[str, list[float]] = defaultdict(list)
+        self.started: list[float] = []  # when each measured request began (all routes), for the timeline
+        self.every: list[float] = []
         self.errors: dict[str, int] = defaultdict(int)
         self.recording = False
 
@@ -77,6 +80,8 @@ class Recorder:
             return None
         if self.recording:
             self.latency[route].append(time.perf_counter() - start)
+            self.started.append(start)
+            self.every.append(self.latency[route][-1])
         return result
 
     def summary(self, seconds: float) -> dict:
@@ -88,8 +93,17 @@ class Recorder:
                     "p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
                     "max_ms": round(float(ms.max()), 2)} if xs else {"requests": 0}
 
+        # p99 within each second of the run: shows whether slow requests are spread out or come in bursts
+        timeline = []
+        if self.started:
+            began = np.array(self.started)
+            second = ((began - began.min()) // 1).astype(int)
+            lat = np.array(self.every) * 1000
+            timeline = [round(float(np.percentile(lat[second == i], 99)), 1) if (second == i).any() else None
+                        for i in range(second.max() + 1)]
         return {**stats(every), "errors": sum(self.errors.values()), "error_kinds": dict(self.errors),
-                "routes": {route: stats(xs) for route, xs in sorted(self.latency.items())}}
+                "routes": {route: stats(xs) for route, xs in sorted(self.latency.items())},
+                "p99_ms_by_second": timeline}
 
 
 async def worker(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event, batch_every: float) -> None:
@@ -182,6 +196,8 @@ async def run_load(url: str, server_pid: int, nodes: int, seconds: float, warmup
             if name == "orchestrator":
                 await join()
             rec, stop = Recorder(), asyncio.Event()
+            gc.collect()
+            gc.freeze()  # the simulated nodes' own full collections would show as the server's latency
             tasks = [asyncio.create_task(t) for t in make(rec, stop)]
             await asyncio.sleep(warmup)
             rec.recording = True

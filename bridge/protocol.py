@@ -21,6 +21,7 @@ they do not know, so an older client keeps working against a newer service.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import os
@@ -359,11 +360,16 @@ def sign_request(key: Ed25519PrivateKey, method: str, target: str, body: bytes,
             HEADER_SIGNATURE: signature.hex()}
 
 
+@functools.lru_cache(maxsize=16384)
+def _public_key(node_key: str) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(bytes.fromhex(node_key))
+
+
 def verify_signature(node_key: str, signature_hex: str, method: str, target: str, timestamp_ms: str,
                      nonce: str, body: bytes) -> bool:
     """True if `signature_hex` is `node_key`'s signature of the request; False for any malformed input."""
     try:
-        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(node_key))
+        public = _public_key(node_key)
         public.verify(bytes.fromhex(signature_hex), signing_string(method, target, timestamp_ms, nonce, body))
     except (ValueError, InvalidSignature):
         return False

@@ -37,7 +37,7 @@ from orchestrator import dashboard
 from orchestrator.auth import Authenticator, RateLimiter
 from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
 from orchestrator.durability import WalSync
-from orchestrator.heartbeat_route import PATH as HEARTBEAT_PATH, heartbeat_route
+from orchestrator.fast_lane import HEARTBEAT_PATH, fast_lane
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.metrics import Metrics
 from orchestrator.nodes import LiveNode, NodeRegistry
@@ -58,9 +58,11 @@ class Orchestrator:
         self.run_name = cfg.run.name
         if database_url is None and oc.database_url is None:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        self.engine = open_database(database_url or oc.database_url or sqlite_url(cfg.run.db_path))
+        # SQLite: checkpoints of the WAL run in WalSync's thread, not inside a request's commit
+        self.engine = open_database(database_url or oc.database_url or sqlite_url(cfg.run.db_path),
+                                    autocheckpoint=False)
         self.db = sessionmaker(self.engine, expire_on_commit=False)
-        self.wal = WalSync(self.engine.url.database, self.db) if self.engine.dialect.name == "sqlite" else None
+        self.wal = WalSync(self.engine.url.database, self.engine) if self.engine.dialect.name == "sqlite" else None
         self.requirements = PoolRequirements(min_gpus=oc.min_gpus, min_gpu_memory_gib=oc.min_gpu_memory_gib,
                                              allow_cpu_nodes=oc.allow_cpu_nodes, challenge_size=oc.challenge_size,
                                              heartbeat_interval_s=oc.heartbeat_interval_s)
@@ -104,6 +106,45 @@ class Orchestrator:
     def close(self) -> None:
         self.sweep(flush=True)
         self.engine.dispose()
+
+
+class NodeRoutes:
+    """What the node routes do once a request is authentic and its body valid, shared by the FastAPI routes
+    and the fast lane (fast_lane.py). Each returns the JSON reply."""
+
+    def __init__(self, svc: Orchestrator):
+        self.svc = svc
+
+    def node_in_role(self, key: str, required: str | None) -> LiveNode:
+        """The node of an authentic key; 403 if unknown, banned, or not a `required`."""
+        node = self.svc.registry.check_known(key)
+        if required is not None and node.role != required:
+            raise HTTPException(403, f"this route is for {required}s; node {key[:16]}... is a {node.role}")
+        return node
+
+    def heartbeat(self, key: str, _node: LiveNode, body: HeartbeatRequest) -> bytes:
+        svc = self.svc
+        live = svc.registry.heartbeat(key, dict(body.metrics))
+        work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
+        return svc.heartbeat_reply(live.state, work)
+
+    def announce(self, key: str, _node: LiveNode, body: BatchAnnouncement) -> bytes:
+        self.svc.limiter.take(key)
+        return self.svc.scheduler.announce(key, body).model_dump_json().encode()
+
+    def claim(self, key: str, _node: LiveNode, body: ClaimRequest) -> bytes:
+        record, expires = self.svc.scheduler.claim(key, body.lease_s)
+        return ClaimResponse(batch=record, lease_expires_at=expires).model_dump_json().encode()
+
+    def verdict(self, key: str, _node: LiveNode, body: Verdict, batch_id: str) -> bytes:
+        record, new = self.svc.scheduler.verdict(key, batch_id, body)
+        if new:
+            self.svc.metrics.validation_lag.observe(max(0.0, record.verdict_at - record.announced_at))
+        return record.model_dump_json().encode()
+
+
+def _json(reply: bytes) -> Response:
+    return Response(reply, media_type="application/json")
 
 
 def _limit_body(app: Callable, max_bytes: int) -> Callable:
@@ -173,6 +214,7 @@ def _reply(model: BaseModel) -> Response:
 def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:
     """The service on `cfg` (storage: `database_url`, else orchestrator.database_url, else run.dir's SQLite)."""
     svc = Orchestrator(cfg, clock, database_url)
+    node_routes = NodeRoutes(svc)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -193,15 +235,15 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
                 await svc.wal.close()
             svc.close()
 
-    app = FastAPI(title="intellect orchestrator", version=str(PROTOCOL_VERSION), lifespan=lifespan,
+    app = _Service(title="intellect orchestrator", version=str(PROTOCOL_VERSION), lifespan=lifespan,
                   description="Admission, heartbeats, deterministic work, verdicts and the contribution ledger of a "
                               "decentralized RL run (DESIGN section 8). Node routes are signed with ed25519.")
     app.state.orchestrator = svc
 
     async def signed(request: Request) -> str:
         h = request.headers
-        return await svc.auth.verify(request, h.get(HEADER_KEY), h.get(HEADER_TIMESTAMP), h.get(HEADER_NONCE),
-                                     h.get(HEADER_SIGNATURE))
+        return await svc.auth.verify_scope(request.scope, await request.body(), h.get(HEADER_KEY),
+                                           h.get(HEADER_TIMESTAMP), h.get(HEADER_NONCE), h.get(HEADER_SIGNATURE))
 
     async def new_node(request: Request) -> str:
         key = await signed(request)
@@ -211,10 +253,7 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
     def role(required: str | None) -> Callable:
         async def known(request: Request) -> tuple[str, LiveNode]:
             key = await signed(request)
-            node = svc.registry.check_known(key)
-            if required is not None and node.role != required:
-                raise HTTPException(403, f"this route is for {required}s; node {key[:16]}... is a {node.role}")
-            return key, node
+            return key, node_routes.node_in_role(key, required)
 
         return known
 
@@ -250,12 +289,8 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
     @app.post(HEARTBEAT_PATH, response_model=HeartbeatResponse, responses=_ERRORS, tags=["nodes"],
               openapi_extra=_SIGNED_ROUTE)
     async def heartbeat(body: HeartbeatRequest, node: Annotated[tuple, Depends(role(None))]) -> Response:
-        """Declared for the OpenAPI document and for requests `heartbeat_route` hands on; the same steps run
-        there."""
-        key, _ = node
-        live = svc.registry.heartbeat(key, dict(body.metrics))
-        work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
-        return Response(svc.heartbeat_reply(live.state, work), media_type="application/json")
+        """Declared for the OpenAPI document and for requests the fast lane hands on (fast_lane.py)."""
+        return _json(node_routes.heartbeat(*node, body))
 
     @app.post("/v1/nodes/deregister", response_model=NodeInfo, responses=_ERRORS, tags=["nodes"],
               openapi_extra=_SIGNED_ROUTE)
@@ -269,25 +304,20 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
                                                                      429: {"description": "rate limited"}},
               tags=["work"], openapi_extra=_SIGNED_ROUTE)
     async def announce(body: BatchAnnouncement, node: Annotated[tuple, Depends(role("worker"))]) -> Response:
-        svc.limiter.take(node[0])
-        return _reply(svc.scheduler.announce(node[0], body))
+        return _json(node_routes.announce(*node, body))
 
     @app.post("/v1/validation/claim", response_model=ClaimResponse, responses=_ERRORS, tags=["work"],
               openapi_extra=_SIGNED_ROUTE)
     async def claim(node: Annotated[tuple, Depends(role("validator"))],
                     body: Annotated[ClaimRequest, Body()] = ClaimRequest()) -> Response:
-        record, expires = svc.scheduler.claim(node[0], body.lease_s)
-        return _reply(ClaimResponse(batch=record, lease_expires_at=expires))
+        return _json(node_routes.claim(*node, body))
 
     @app.post("/v1/batches/{batch_id}/verdict", response_model=BatchRecord,
               responses={**_ERRORS, 404: {"description": "no such batch"}, 409: {"description": "not your claim"}},
               tags=["work"], openapi_extra=_SIGNED_ROUTE)
     async def verdict(batch_id: Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")],
                       body: Verdict, node: Annotated[tuple, Depends(role("validator"))]) -> Response:
-        record, new = svc.scheduler.verdict(node[0], batch_id, body)
-        if new:
-            svc.metrics.validation_lag.observe(max(0.0, record.verdict_at - record.announced_at))
-        return _reply(record)
+        return _json(node_routes.verdict(*node, body, batch_id))
 
     @app.get("/v1/batches", response_model=BatchList, responses=_ERRORS, tags=["work"],
              openapi_extra=_LEARNER_OPTIONAL)
@@ -340,8 +370,8 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         return HTMLResponse(dashboard.render(svc, svc.scheduler.policy, nodes, data))
 
     app.openapi = functools.partial(_openapi, app)
-    beat = next(r for r in app.routes if getattr(r, "path", None) == HEARTBEAT_PATH)
-    app.add_middleware(_Middleware, wrap=lambda inner: heartbeat_route(inner, svc, beat))
+    by_path = {getattr(r, "path", None): r for r in app.routes if "POST" in getattr(r, "methods", ())}
+    app.fast_lane = fast_lane(functools.partial(FastAPI.__call__, app), svc, node_routes, by_path)
     if svc.wal is not None:
         app.add_middleware(_Middleware, wrap=svc.wal.middleware)
     app.add_middleware(_Middleware, wrap=svc.metrics.middleware)
@@ -359,6 +389,17 @@ def _openapi(app: FastAPI) -> dict:
         schema.setdefault("components", {})["securitySchemes"] = schemes
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+class _Service(FastAPI):
+    """The FastAPI application with the fast lane (fast_lane.py) in front of its middleware stack."""
+
+    fast_lane: Callable | None = None
+
+    async def __call__(self, scope, receive, send):
+        if self.fast_lane is None:
+            return await super().__call__(scope, receive, send)
+        await self.fast_lane(scope, receive, send)
 
 
 class _Middleware:

@@ -13,6 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import gc
     import logging
 
     import uvicorn
@@ -33,8 +34,14 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("orchestrator").warning(
             "orchestrator.admin_token is not set: admin routes and policy announcements are refused")
     print(f"orchestrator: http://{oc.host}:{oc.port}/ (dashboard), API docs at /docs", flush=True)
+    # What exists now (the application, its modules, the registry's nodes) lives as long as the service: frozen
+    # out of the garbage collector's view, so that its full collections do not walk it again and again (they
+    # stalled every request for 50-80 ms at 1,000 nodes).
+    gc.collect()
+    gc.freeze()
+    # No X-Forwarded-For handling: nothing here depends on a client's address (nodes are known by their keys).
     # Idle keep-alive connections are kept longer than clients keep theirs (aiohttp: 15 s, httpx: 5 s), so that a
     # client never sends on a connection the server is closing at that moment.
-    uvicorn.run(app, host=oc.host, port=oc.port, log_level=cfg.run.log_level.lower(), access_log=False,
+    uvicorn.run(app, host=oc.host, port=oc.port, log_level=cfg.run.log_level.lower(), access_log=False, proxy_headers=False,
                 timeout_keep_alive=75)
     return 0

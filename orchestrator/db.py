@@ -20,6 +20,7 @@ refuses, with a message saying what to do, a database it cannot upgrade or one w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -113,20 +114,25 @@ def sqlite_url(path: str | Path) -> str:
     return f"sqlite:///{Path(path).absolute()}"
 
 
-def _sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_pragmas(dbapi_connection, _record, autocheckpoint: bool = True) -> None:
     cursor = dbapi_connection.cursor()
     for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON", "busy_timeout=10000"):
         cursor.execute(f"PRAGMA {pragma}")
+    if not autocheckpoint:
+        cursor.execute("PRAGMA wal_autocheckpoint=0")
     cursor.close()
 
 
-def open_database(url: str, migrations: Mapping[int, Callable[[Connection], None]] = MIGRATIONS) -> Engine:
+def open_database(url: str, migrations: Mapping[int, Callable[[Connection], None]] = MIGRATIONS, *,
+                  autocheckpoint: bool = True) -> Engine:
     """An engine on `url` whose schema is at SCHEMA_VERSION: created if the database is empty, upgraded with
-    `migrations` if older; raises SchemaError if it cannot be used."""
+    `migrations` if older; raises SchemaError if it cannot be used. SQLite with `autocheckpoint=False`: no
+    commit copies the WAL back into the database file (the service does that off its event loop, see
+    durability.py)."""
     engine = create_engine(url)
     shown = engine.url.render_as_string(hide_password=True)
     if engine.dialect.name == "sqlite":
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", functools.partial(_sqlite_pragmas, autocheckpoint=autocheckpoint))
     with engine.begin() as conn:
         tables = set(inspect(conn).get_table_names())
         if not tables:

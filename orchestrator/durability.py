@@ -8,37 +8,61 @@ been fsynced after that commit (what `synchronous=FULL` does per commit). One fs
 every commit made before it started, so under load many replies share one fsync while heartbeats that wrote
 nothing are answered without waiting.
 
-Requests are tracked with a context variable that the session's `after_commit` event sets; the ASGI
+Checkpoints (copying the WAL back into the database file, and syncing that) would otherwise run inside
+whichever commit crosses SQLite's threshold, holding the event loop for tens of milliseconds: the service's
+connections have automatic checkpoints off, and the flusher thread runs a PASSIVE checkpoint (which never
+blocks a writer) after an fsync, at most every `CHECKPOINT_EVERY_S`.
+
+Requests are tracked with a context variable that the engine's `commit` event sets (ORM sessions and Core
+connections alike); the ASGI
 middleware holds back `http.response.start` until the fsync that follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import os
-from collections.abc import Callable
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from sqlalchemy import event
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Connection, Engine, event
+
+CHECKPOINT_EVERY_S = 1.0
 
 _COMMITTED: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar("committed", default=None)
 
 
-def _mark_committed(_session: Session) -> None:
+def _mark_committed(_connection: Connection) -> None:
     holder = _COMMITTED.get()
     if holder is not None:
         holder[0] = True
 
 
+@contextlib.contextmanager
+def tracking_commits() -> Iterator[list[bool]]:
+    """Within the block (one request's task), [True] once anything committed."""
+    holder = [False]
+    token = _COMMITTED.set(holder)
+    try:
+        yield holder
+    finally:
+        _COMMITTED.reset(token)
+
+
 class WalSync:
-    def __init__(self, db_path: str | Path, db: sessionmaker[Session]):
+    def __init__(self, db_path: str | Path, engine: Engine):
+        self.db_path = Path(db_path)
         self.wal_path = Path(f"{db_path}-wal")
+        self._checkpointer: sqlite3.Connection | None = None
+        self._checkpointed = time.monotonic()
         self._waiters: list[asyncio.Future] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        event.listen(db, "after_commit", _mark_committed)
+        event.listen(engine, "commit", _mark_committed)
 
     def _fsync(self) -> None:
         fd = os.open(self.wal_path, os.O_RDONLY)
@@ -46,6 +70,15 @@ class WalSync:
             os.fsync(fd)
         finally:
             os.close(fd)
+        if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:
+            self.checkpoint()
+
+    def checkpoint(self) -> None:
+        """A PASSIVE checkpoint on a connection of its own (called in the flusher's thread)."""
+        if self._checkpointer is None:
+            self._checkpointer = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        self._checkpointed = time.monotonic()
 
     async def _flusher(self) -> None:
         while True:
@@ -74,6 +107,8 @@ class WalSync:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
 
     def middleware(self, app: Callable) -> Callable:
         """ASGI middleware holding back the reply of a request that committed until its commit is durable."""
@@ -81,17 +116,13 @@ class WalSync:
         async def durable(scope, receive, send):
             if scope["type"] != "http":
                 return await app(scope, receive, send)
-            holder = [False]
-            token = _COMMITTED.set(holder)
+            with tracking_commits() as holder:
 
-            async def send_when_durable(message):
-                if message["type"] == "http.response.start" and holder[0]:
-                    await self.wait()
-                await send(message)
+                async def send_when_durable(message):
+                    if message["type"] == "http.response.start" and holder[0]:
+                        await self.wait()
+                    await send(message)
 
-            try:
                 await app(scope, receive, send_when_durable)
-            finally:
-                _COMMITTED.reset(token)
 
         return durable

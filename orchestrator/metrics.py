@@ -74,14 +74,22 @@ class Metrics:
                                         "Seconds from a batch's announcement to its verdict", buckets=LAG_BUCKETS,
                                         registry=self.registry)
         self.registry.register(_StateCollector(service))
+        self._children: dict[tuple[str, str, int], Histogram] = {}  # labels() takes a lock and builds a key
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """One request's latency under its route template."""
+        labels = (method, route, status)
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self.latency.labels(method, route, str(status))
+        child.observe(seconds)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
     def middleware(self, app: Callable) -> Callable:
         """ASGI middleware observing each HTTP request's latency under its route template."""
-        latency = self.latency
-        children: dict[tuple[str, str, int], Histogram] = {}  # labels() takes a lock and builds a key each call
+        observe_one = self.observe
 
         async def observe(scope, receive, send):
             if scope["type"] != "http":
@@ -97,10 +105,7 @@ class Metrics:
             try:
                 await app(scope, receive, send_status)
             finally:
-                labels = (scope["method"], getattr(scope.get("route"), "path", "unmatched"), status[0])
-                child = children.get(labels)
-                if child is None:
-                    child = children[labels] = latency.labels(labels[0], labels[1], str(labels[2]))
-                child.observe(time.perf_counter() - start)
+                observe_one(scope["method"], getattr(scope.get("route"), "path", "unmatched"), status[0],
+                            time.perf_counter() - start)
 
         return observe

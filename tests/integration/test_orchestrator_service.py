@@ -232,6 +232,36 @@ def test_body_limit_and_validation_errors_name_the_field(server):
     assert err.value.status == 422 and fields == ["num_samples", "store_path"]
 
 
+def test_the_fast_lane_hands_what_it_does_not_take_to_fastapi(server):
+    """Heartbeats, announcements, claims and verdicts are answered in front of FastAPI (fast_lane.py); a body that
+    is not valid for the route, a bad path parameter or an oversized body still get FastAPI's and the body
+    limit's replies, and the latency metric still counts each route under its template."""
+    worker, validator = join(server.url, "worker"), join(server.url, "validator")
+    [a] = worker.heartbeat().assignments[:1]
+    missing = json.dumps({"batch_id": "x1", "assignment_id": a.id, "version": a.version}).encode()
+    reply = _signed(server.url, worker.key, "POST", "/v1/batches", missing)
+    assert reply.status_code == 422
+    assert {d["loc"][-1] for d in reply.json()["detail"]} == {"num_samples", "num_tokens", "store_path", "sha256"}
+    big = b'{"batch_id":"' + b"a" * 2_000_000 + b'"}'
+    assert _signed(server.url, worker.key, "POST", "/v1/batches", big).status_code == 413
+    assert _signed(server.url, validator.key, "POST", "/v1/validation/claim", b"").status_code == 200  # no body
+    reply = _signed(server.url, validator.key, "POST", "/v1/validation/claim", b'{"lease_s": -1}')
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["body", "lease_s"]
+    verdict = Verdict(accepted=True, rewards=[1.0], num_tokens=1).model_dump_json().encode()
+    reply = _signed(server.url, validator.key, "POST", "/v1/batches/..bad/verdict", verdict)
+    assert reply.status_code == 422 and reply.json()["detail"][0]["loc"] == ["path", "batch_id"]
+    reply = _signed(server.url, validator.key, "POST", "/v1/batches/no-such-batch/verdict", verdict)
+    assert reply.status_code == 404 and "no-such-batch" in reply.json()["detail"]
+    reply = _signed(server.url, worker.key, "POST", "/v1/validation/claim", b"{}")  # the wrong role
+    assert reply.status_code == 403 and "for validators" in reply.json()["detail"]
+    seen = metric_values(httpx.get(server.url + "/metrics").text)
+    count = {labels: v for (name, labels), v in seen.items() if name == "orchestrator_request_seconds_count"}
+    by_route = {(dict(labels)["route"], dict(labels)["status"]): v for labels, v in count.items()}
+    assert by_route[("/v1/batches/{batch_id}/verdict", "404")] >= 1
+    assert by_route[("/v1/validation/claim", "403")] >= 1
+    assert by_route[("/v1/nodes/heartbeat", "200")] >= 2
+
+
 def test_submissions_are_rate_limited_per_node(server):
     worker = join(server.url, "worker")
     other = join(server.url, "worker")

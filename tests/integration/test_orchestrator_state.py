@@ -2,6 +2,9 @@
 automatic bans, the compute challenge, and schema versions. The app runs in process (Starlette's TestClient)
 with the real client from bridge.protocol; the clock is injected into both sides."""
 
+import shutil
+import sqlite3
+
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
@@ -262,6 +265,64 @@ def test_a_reply_after_a_write_waits_for_the_wal_fsync(tmp_path):
     assert len(fsyncs) == 2
     pool.submit(worker, a, "durable")
     assert len(fsyncs) == 3 and fsyncs[2] > fsyncs[1]  # the WAL grew by the announcement before it was synced
+
+
+def test_checkpoints_run_off_the_request_path_and_reach_the_database_file(tmp_path):
+    """The service's connections never checkpoint inside a commit; WalSync's checkpoint copies the WAL into the
+    database file (read here from a copy of that file alone, without its -wal)."""
+    pool = Pool(tmp_path)
+    workers = [pool.node("worker") for _ in range(3)]
+    db_file = pool.svc.wal.db_path
+
+    def nodes_in_file_alone() -> int:
+        copy = tmp_path / "copy.db"
+        shutil.copyfile(db_file, copy)
+        conn = sqlite3.connect(copy)
+        try:
+            return conn.execute("SELECT count(*) FROM nodes").fetchone()[0]
+        except sqlite3.OperationalError:  # not even the tables have reached the file
+            return 0
+        finally:
+            conn.close()
+            copy.unlink()
+
+    assert nodes_in_file_alone() == 0
+    pool.svc.wal.checkpoint()
+    assert nodes_in_file_alone() == len(workers)
+
+
+def test_verdict_order_continues_across_a_restart(tmp_path):
+    pool = Pool(tmp_path)
+    worker, validator = pool.node("worker"), pool.node("validator")
+    for name in ("first", "second"):
+        [work] = worker.heartbeat().assignments
+        pool.submit(worker, work, name)
+        assert validator.claim().batch.batch_id == name
+        validator.verdict(name, Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=40))
+    pool.svc.close()
+    again = Pool(tmp_path)  # the same database, a new service
+    worker, validator = again.client(worker.key), again.client(validator.key)
+    [work] = worker.heartbeat().assignments
+    again.submit(worker, work, "third")
+    assert validator.claim().batch.batch_id == "third"
+    record = validator.verdict("third", Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=40))
+    assert record.verdict_seq == 3
+    assert [b.batch_id for b in again.admin.batches("accepted").batches] == ["first", "second", "third"]
+
+
+def test_an_unexpected_error_in_a_fast_route_is_a_500_and_the_service_goes_on(tmp_path, monkeypatch):
+    pool = Pool(tmp_path)
+    validator = pool.node("validator")
+
+    def broken(*_args):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(pool.svc.scheduler, "claim", broken)
+    with pytest.raises(OrchestratorError, match="HTTP 500"):  # a 5xx is retried, then given up on
+        validator.claim()
+    monkeypatch.undo()
+    assert validator.claim().batch is None
+    assert validator.heartbeat().state == "healthy"
 
 
 def test_only_listed_keys_validate_and_a_deregistered_node_stays_dead_until_it_beats(tmp_path):
