@@ -313,6 +313,7 @@ def main() -> None:
         with open(payload, "wb") as f:
             for _ in range(args.mib):
                 f.write(os.urandom(MIB))
+        os.sync()
         for r in range(args.repeat):  # interleaved, so that a noisy moment hits every contestant
             report["raw_loopback_mb_s"].append(round(raw_loopback(payload, procs, root), 1))
             for n in counts:
@@ -323,11 +324,13 @@ def main() -> None:
                     work.mkdir()
                     entry[name].append(run_ours(payload, n, work, procs, settings))
                     shutil.rmtree(work)
+                    os.sync()  # every contestant starts with nothing left for the disk to write
                 if has_reference:
                     work = root / f"ref-{n}-{r}"
                     work.mkdir()
                     entry["reference"].append(run_reference(payload, n, work, procs, args.reference))
                     shutil.rmtree(work)
+                    os.sync()
         raw = statistics.median(report["raw_loopback_mb_s"])
         report["raw_loopback_median_mb_s"] = raw
         for entry in report["topologies"].values():

@@ -55,7 +55,8 @@ def assert_landed(out: Path, version: int, files: dict[str, bytes], origin: Path
     vdir = out / f"v{version:06d}"
     assert (vdir / "STABLE").read_text() == f"{version}\n"
     assert (vdir / "manifest.json").read_bytes() == (origin / f"v{version:06d}" / "manifest.json").read_bytes()
-    assert sorted(p.name for p in vdir.iterdir()) == sorted([*files, "manifest.json", "STABLE"])
+    # ".synced": a relay's marker that the version reached its disk (written a few seconds after it landed)
+    assert sorted(p.name for p in vdir.iterdir() if p.name != ".synced") == sorted([*files, "manifest.json", "STABLE"])
     for name, data in files.items():
         assert (vdir / name).read_bytes() == data, name
 
@@ -199,6 +200,45 @@ def test_origin_two_chained_relays_and_several_clients(cluster, tmp_path):
     assert_landed(tmp_path / "relay-b", 2, v2, weights)
     assert waiter.result()["version"] == 2
     assert_landed(tmp_path / "client0", 2, v2, weights)
+
+
+def test_a_relay_flushes_after_advertising_and_rechecks_what_it_had_not_flushed(cluster, tmp_path):
+    """A relay advertises a version once verified and flushes it to disk a few seconds later (".synced"). After
+    a crash before that flush, the restarted relay re-hashes the version: a torn file is deleted and mirrored
+    again, never served."""
+    weights = tmp_path / "weights"
+    v1 = payload(1)
+    publish(weights, 1, v1)
+    origin = cluster.origin(weights)
+    relay, proc = cluster.relay(origin, *FAST, name="relay")
+    copy = tmp_path / "relay" / "v000001"
+    wait_until(lambda: get_json(f"{relay}/versions")["latest"] == 1, 30, "the relay to advertise v1")
+    assert not (copy / ".synced").exists()  # advertised before the flush
+    wait_until(lambda: (copy / ".synced").exists(), 30, "the background flush", step=0.2)
+    assert_landed(tmp_path / "relay", 1, v1, weights)
+
+    proc.popen.kill()  # a crash before the flush of what it holds: simulated by removing the marker
+    proc.popen.wait(timeout=10)
+    (copy / ".synced").unlink()
+    shard = copy / "model-00001-of-00002.safetensors"
+    torn = bytearray(shard.read_bytes())
+    torn[len(torn) // 2] ^= 0xFF
+    shard.write_bytes(bytes(torn))
+    relay, proc = cluster.relay(origin, *FAST, name="relay")
+    assert "fails its check" in proc.stderr() and "deleted" in proc.stderr()
+    wait_until(lambda: get_json(f"{relay}/versions")["latest"] == 1, 30, "the relay to mirror v1 again")
+    assert_landed(tmp_path / "relay", 1, v1, weights)
+    client = cluster.fetch(relay, tmp_path / "client", "--wait", "30", *FAST, name="client")
+    assert client.result()["version"] == 1
+    assert_landed(tmp_path / "client", 1, v1, weights)
+
+    wait_until(lambda: (copy / ".synced").exists(), 30, "the background flush", step=0.2)
+    proc.popen.kill()  # an intact version without the marker is re-verified, flushed and kept (not fetched again)
+    proc.popen.wait(timeout=10)
+    (copy / ".synced").unlink()
+    relay, proc = cluster.relay(origin, *FAST, name="relay")
+    assert (copy / ".synced").exists() and "re-verified and flushed" in proc.stderr()
+    assert get_json(f"{relay}/versions")["latest"] == 1 and "fetching" not in proc.stderr()
 
 
 def test_corrupting_relay_is_detected_and_client_completes_elsewhere(cluster, tmp_path):
