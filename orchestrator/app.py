@@ -37,7 +37,7 @@ from orchestrator import dashboard
 from orchestrator.auth import Authenticator, RateLimiter
 from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
 from orchestrator.durability import WalSync
-from orchestrator.fast_lane import HEARTBEAT_PATH, fast_lane
+from orchestrator.fast_lane import HEARTBEAT_PATH, fast_lane, read_body, replaying
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.metrics import Metrics
 from orchestrator.nodes import LiveNode, NodeRegistry
@@ -166,26 +166,12 @@ def _limit_body(app: Callable, max_bytes: int) -> Callable:
             return await refuse(send, 400, "Content-Length is not a number")
         if int(length) > max_bytes:
             return await refuse(send)
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > max_bytes:
-                return await refuse(send)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        return await app(scope, replay, send)
+        body = await read_body(receive, max_bytes)
+        if body is None:
+            return None
+        if len(body) > max_bytes:
+            return await refuse(send)
+        return await app(scope, replaying(body, receive), send)
 
     return guarded
 

@@ -58,6 +58,34 @@ def _is_json(content_type: bytes | None) -> bool:
     return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
 
 
+async def read_body(receive: Callable, max_bytes: int) -> bytes | None:
+    """A request's body from ASGI `receive`; None if the client went away. Reading stops once it is longer
+    than `max_bytes` (the caller refuses it)."""
+    chunks, size, more = [], 0, True
+    while more and size <= max_bytes:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def replaying(body: bytes, receive: Callable) -> Callable:
+    """An ASGI `receive` that gives `body` once (already read), then whatever `receive` gives."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if replayed:
+            return await receive()
+        replayed = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
 def fast_lane(app: Callable, svc: Orchestrator, routes: NodeRoutes, fastapi_routes: dict[str, object]) -> Callable:
     """ASGI app: the hot node routes answered here, every other request passed on to `app` (the FastAPI
     application with its middleware). `fastapi_routes` maps a path template to its FastAPI route, put in the
@@ -87,36 +115,20 @@ def fast_lane(app: Callable, svc: Orchestrator, routes: NodeRoutes, fastapi_rout
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > max_bytes:
             return await app(scope, receive, send)
-        chunks, more, size = [], True, 0
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await read_body(receive, max_bytes)
+        if body is None:
+            return None
         request: Any = None
-        if size > max_bytes:
-            pass  # answered 413 by the middleware
-        elif not body and route.empty_body is not None:
-            request = route.empty_body
-        elif body and _is_json(headers.get(b"content-type")):
-            try:
-                request = route.model.model_validate(decode(body.decode("utf-8")))
-            except (ValueError, ValidationError):  # FastAPI words the 422 (json.JSONDecodeError is a ValueError)
-                request = None
+        if len(body) <= max_bytes:  # else the middleware answers 413
+            if not body and route.empty_body is not None:
+                request = route.empty_body
+            elif body and _is_json(headers.get(b"content-type")):
+                try:
+                    request = route.model.model_validate(decode(body.decode("utf-8")))
+                except (ValueError, ValidationError):  # FastAPI words the 422 (a JSONDecodeError is a ValueError)
+                    request = None
         if request is None:
-            replayed = False
-
-            async def replay():
-                nonlocal replayed
-                if replayed:
-                    return await receive()
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-
-            return await app(scope, replay, send)
+            return await app(scope, replaying(body, receive), send)
         scope["route"] = fastapi_routes[route.path]
         values = [headers.get(name) for name in _HEADERS]
         start, status, failure = time.perf_counter(), 200, None
