@@ -14,10 +14,9 @@ Assignments are given at the newest version in the window whose weights the work
 The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.protocol` from
 (node key, v, k), so a validator recomputes them.
 
-
-The hot paths (issuing an assignment, announcing, claiming, judging) run SQLAlchemy Core statements on one
-connection each, not ORM sessions: the same SQL at a third of the CPU, which is what a 1,000-node pool's
-request rate needs from one event loop.
+The hot paths (issuing an assignment, announcing, claiming, judging) run prebuilt SQLAlchemy Core statements
+on one connection each, not ORM sessions: at a 1,000-node pool's request rate, the sessions and the building
+of statements cost the event loop more CPU than the SQL itself.
 """
 
 from __future__ import annotations
