@@ -228,8 +228,8 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
 
     async def signed(request: Request) -> str:
         h = request.headers
-        return await svc.auth.verify_scope(request.scope, await request.body(), h.get(HEADER_KEY),
-                                           h.get(HEADER_TIMESTAMP), h.get(HEADER_NONCE), h.get(HEADER_SIGNATURE))
+        return svc.auth.verify(request.scope, await request.body(), h.get(HEADER_KEY), h.get(HEADER_TIMESTAMP),
+                               h.get(HEADER_NONCE), h.get(HEADER_SIGNATURE))
 
     async def new_node(request: Request) -> str:
         key = await signed(request)

@@ -68,8 +68,8 @@ class Authenticator:
         self.started = clock()
         self.nonces = NonceCache()
 
-    async def verify_scope(self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None,
-                           signature: str | None) -> str:
+    def verify(self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None,
+               signature: str | None) -> str:
         """The hex key of the node that signed the request with ASGI `scope` and `body` (the four header values
         given); 401 otherwise.
 

@@ -134,8 +134,7 @@ def fast_lane(app: Callable, svc: Orchestrator, routes: NodeRoutes, fastapi_rout
         start, status, failure = time.perf_counter(), 200, None
         with tracking_commits() as committed:
             try:
-                key = await svc.auth.verify_scope(scope, body, *(v.decode("latin-1") if v is not None else None
-                                                                 for v in values))
+                key = svc.auth.verify(scope, body, *(v.decode("latin-1") if v is not None else None for v in values))
                 node = routes.node_in_role(key, route.role)
                 reply = route.answer(key, node, request, *extra)
             except HTTPException as exc:
