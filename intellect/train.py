@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the accepted-batch polls would drown the log
     learner, params = build_learner(cfg)
-    state = learner.run(params)
+    try:
+        state = learner.run(params)
+    finally:
+        learner.close()
     print(f"intellect train: finished at version {int(state.step)}; weights in {learner.weights_dir}")
     return 0

@@ -79,6 +79,14 @@ class Learner:
         step = _scalar(state.step)
         self.checkpointer.save(step, state, checkpoint_meta(self.base_model_dir, step, self.source.cursor()))
 
+    def close(self) -> None:
+        """Stop the data source's background reading and finish the checkpointer's: native threads still
+        running when the interpreter exits abort the process (seen once as SIGABRT after a finished run)."""
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
+        self.checkpointer.close()
+
     # ---- loop --------------------------------------------------------------------------------------------
     def run(self, params) -> TrainState:
         s = self.settings
