@@ -37,6 +37,7 @@ from bridge.assignment import assigned_task_ids
 from bridge.protocol import Assignment, BatchAnnouncement, PolicyInfo
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.names import parse_server_list
 from gpu_workers.engine import Engine, EngineSettings
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -74,6 +75,8 @@ class WorkerSettings:
     idle_poll_s: float = 1.0  # heartbeat period while there is no assignment (the pool's interval caps it)
     fetch_timeout_s: float = 30.0
     fetch_patience_s: float = 300.0
+    fetch_direct_io: bool = True  # land weights with O_DIRECT (see bridge.shardcast.direct)
+    fetch_buffer_mib: int = 8
 
 
 class Worker:
@@ -90,6 +93,7 @@ class Worker:
         self.policy: PolicyInfo | None = None
         self.interval = settings.idle_poll_s
         self._fetching: threading.Thread | None = None
+        self._shardcast: ShardcastClient | None = None  # kept while the servers stay the same (speeds, buffers)
         self.tamper = float(os.environ.get(TAMPER_ENV, "0") or 0)
         self.stats = {"batches": 0, "samples": 0, "tokens": 0, "generate_s": 0.0, "reward_sum": 0.0}
 
@@ -111,7 +115,12 @@ class Worker:
         return servers
 
     def _fetch(self, version: int) -> Path:
-        client = ShardcastClient(self._servers(), timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s)
+        servers = self._servers()
+        client = self._shardcast
+        if client is None or [str(u) for u in client.servers] != [str(u) for u in parse_server_list(servers)]:
+            client = self._shardcast = ShardcastClient(
+                servers, timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s,
+                direct_io=self.s.fetch_direct_io, buffer_bytes=self.s.fetch_buffer_mib << 20)
         result = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s)
         if not result.already_present:
             log.info("fetched version %d: %.1f MiB in %.2f s", version, result.received_bytes / 2**20,

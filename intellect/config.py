@@ -323,6 +323,10 @@ class ShardcastConfig(Section):
     """Largest version (sum of its files) a client or relay accepts, in GiB; a manifest claiming more is refused."""
     fsync: bool = True
     """Flush fetched files to disk before a version is marked STABLE."""
+    direct_io: bool = True
+    """Clients (not relays) land files with O_DIRECT from a few reusable buffers instead of the page cache."""
+    buffer_mib: int = Field(8, gt=0, le=1024)
+    """Size of each direct I/O buffer (a client holds 2 * parallel + 2 of them); parts are at most this long."""
 
 
 class WorkerConfig(Section):

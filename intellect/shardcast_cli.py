@@ -140,7 +140,8 @@ def _fetch(args, config) -> int:
     sc = config.shardcast
     client = ShardcastClient(args.servers or sc.relays or [origin_url(sc)], timeout=sc.timeout_s,
                              patience=sc.patience_s, parallel=sc.parallel, part_bytes=sc.part_mib << 20,
-                             max_version_bytes=int(sc.max_version_gib * 2**30), fsync=sc.fsync)
+                             max_version_bytes=int(sc.max_version_gib * 2**30), fsync=sc.fsync,
+                             direct_io=sc.direct_io, buffer_bytes=sc.buffer_mib << 20)
     version = args.version if args.version == "latest" else parse_version(args.version, "--version")
     if args.after is not None:
         if version != "latest":

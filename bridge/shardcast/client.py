@@ -8,7 +8,8 @@
 `fetch` asks every server which versions it holds, takes the manifest from one that holds the version (and
 checks it against `manifest_sha256` when the caller knows it from a trusted source), then downloads with
 `Download` (parallel parts, weighted server choice, Range resume, sha256 per file, atomic landing). The
-client keeps its `ServerPool` between fetches, so what it learned about the servers' speed carries over.
+client keeps its `ServerPool` between fetches, so what it learned about the servers' speed carries over, and
+its direct I/O buffers (`direct_io`, see `bridge.shardcast.direct`), allocated once when it is made.
 
 Trust: every file is checked against the manifest, so no server can slip in bytes the manifest does not
 vouch for; the manifest itself is believed from the first server that offers it unless `manifest_sha256`
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from bridge.shardcast.direct import ALIGN, HAVE_DIRECT, BufferPool
 from bridge.shardcast.disk import held_version
 from bridge.shardcast.download import Download, FetchResult
 from bridge.shardcast.errors import FetchError, ShardcastError, TransferError, WaitTimeout
@@ -60,16 +62,21 @@ def parse_listing(doc: object, server: ServerURL) -> list[int]:
 class ShardcastClient:
     def __init__(self, servers: str | Iterable[str], *, timeout: float = 30.0, patience: float = 300.0,
                  parallel: int = 0, part_bytes: int = 64 << 20, max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
-                 fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None):
+                 fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None,
+                 direct_io: bool = True, buffer_bytes: int = 8 << 20):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
         concurrent downloads, 0 for one per CPU up to 4 (receiving and hashing are CPU work: more streams than
-        cores only contend)."""
+        cores only contend); `direct_io`: land files with O_DIRECT from 2 * parallel + 2 buffers of
+        `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it."""
         self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.timeout, self.patience, self.part_bytes = timeout, patience, part_bytes
         self.max_version_bytes, self.fsync, self.use_splice = max_version_bytes, fsync, use_splice
         self.pool = pool or ServerPool(self.servers)
+        if direct_io and buffer_bytes % ALIGN:
+            raise ValueError(f"buffer_bytes {buffer_bytes}: direct I/O needs a multiple of {ALIGN}")
+        self.buffers = BufferPool(2 * self.parallel + 2, buffer_bytes) if direct_io and HAVE_DIRECT else None
         self.last_errors: dict[ServerURL, str] = {}
 
     # ---- what the servers hold ------------------------------------------------------------------------
@@ -186,7 +193,7 @@ class ShardcastClient:
             manifest=manifest, root=out_root, pool=self.pool, candidates=set(holders),
             refresh=lambda: {s for s, vs in self.versions().items() if version in vs},
             timeout=self.timeout, patience=self.patience, parallel=self.parallel, part_bytes=self.part_bytes,
-            fsync=self.fsync, use_splice=self.use_splice, on_progress=on_progress)
+            fsync=self.fsync, use_splice=self.use_splice, buffers=self.buffers, on_progress=on_progress)
         result = download.run()
         if not result.already_present:
             log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s)", version_dirname(version),

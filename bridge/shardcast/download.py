@@ -26,11 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bridge.shardcast import disk
+from bridge.shardcast.direct import BufferPool, open_direct, write_part
 from bridge.shardcast.errors import FetchError, NotFound, ShardcastError, TransferError
 from bridge.shardcast.manifest import FileEntry, Manifest
 from bridge.shardcast.names import STABLE_FILE, ServerURL, version_dirname
 from bridge.shardcast.pool import ServerPool
-from bridge.shardcast.transfer import HAVE_SPLICE, check_status, open_get, receive_into_file
+from bridge.shardcast.transfer import (HAVE_SPLICE, check_status, open_get, receive_into_buffer,
+                                       receive_into_file)
 
 log = logging.getLogger("shardcast.download")
 
@@ -50,6 +52,7 @@ class FetchResult:
     seconds: float
     servers: dict[str, dict]  # per server URL: bytes, errors, distrusted
     already_present: bool = False
+    direct_io: bool = False  # the bytes went to disk with O_DIRECT, not through the page cache
 
     @property
     def mb_per_s(self) -> float:
@@ -59,20 +62,24 @@ class FetchResult:
         return {"version": self.version, "path": str(self.path), "total_bytes": self.total_bytes,
                 "received_bytes": self.received_bytes, "resumed_bytes": self.resumed_bytes,
                 "seconds": round(self.seconds, 4), "mb_per_s": round(self.mb_per_s, 1), "servers": self.servers,
-                "already_present": self.already_present}
+                "already_present": self.already_present, "direct_io": self.direct_io}
 
 
 class _Part:
-    __slots__ = ("start", "length", "done")
+    __slots__ = ("start", "length", "done", "buf", "ready")
 
     def __init__(self, start: int, length: int, done: int = 0):
         self.start, self.length, self.done = start, length, done
+        self.buf = None  # direct I/O: the pool buffer the part is received into, until it is hashed
+        self.ready = False  # direct I/O: every byte is in the file (and in `buf`, if not hashed yet)
 
 
 class _File:
     def __init__(self, entry: FileEntry, path: Path, parts: list[_Part], cond: threading.Condition):
         self.entry, self.path, self.parts, self.cond = entry, path, parts, cond
         self.fd: int | None = None
+        self.direct = False  # parts go through pool buffers and O_DIRECT writes (`bridge.shardcast.direct`)
+        self.dfd: int | None = None  # the O_DIRECT descriptor of a direct file
         self.sources: set[ServerURL] = set()
         self.single_source = False  # after a mismatch with several sources: one part, one server at a time
         self.generation = 0  # bumped whenever landed bytes are thrown away; the hasher restarts
@@ -101,8 +108,8 @@ class _Tried:
     backoff: float = 0.1
 
 
-def _split(size: int, part_bytes: int) -> list[_Part]:
-    return [_Part(start, min(part_bytes, size - start)) for start in range(0, size, part_bytes)]
+def _split(size: int, part_bytes: int, first: int = 0) -> list[_Part]:
+    return [_Part(start, min(part_bytes, size - start)) for start in range(first, size, part_bytes)]
 
 
 class Download:
@@ -111,7 +118,7 @@ class Download:
     def __init__(self, *, manifest: Manifest, root: Path, pool: ServerPool, candidates: set[ServerURL],
                  refresh: Callable[[], set[ServerURL]], timeout: float, patience: float, parallel: int,
                  part_bytes: int, fsync: bool = True, use_splice: bool = HAVE_SPLICE,
-                 on_progress: Callable[[int, int], None] | None = None):
+                 buffers: BufferPool | None = None, on_progress: Callable[[int, int], None] | None = None):
         self.manifest, self.version = manifest, manifest.version
         self.root = Path(root)
         self.final = self.root / version_dirname(self.version)
@@ -119,6 +126,9 @@ class Download:
         self.pool, self.candidates, self.refresh = pool, set(candidates), refresh
         self.timeout, self.patience, self.parallel, self.part_bytes = timeout, patience, parallel, part_bytes
         self.fsync, self.use_splice, self.on_progress = fsync, use_splice, on_progress
+        self.buffers = buffers
+        self._direct = False  # this download holds `buffers` and lands files with direct I/O where it can
+        self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._queue_cv = threading.Condition(self._lock)
         self._queue: collections.deque[tuple[_File, _Part]] = collections.deque()
@@ -152,8 +162,9 @@ class Download:
                                    already_present=True)
             if self.final.exists():
                 shutil.rmtree(self.final)  # a leftover without STABLE is incomplete
-            self._prepare()
+            self._direct = self.buffers is not None and self.buffers.claim()
             try:
+                self._prepare()
                 self._transfer()
             except BaseException as e:
                 self._fail(e if isinstance(e, ShardcastError) else FetchError(f"interrupted ({e!r})"))
@@ -161,10 +172,13 @@ class Download:
                 raise
             finally:
                 self._close_files()
+                if self._direct:
+                    self._return_buffers()
             disk.land(self.root, self.manifest, self.fsync)
             lock_path.unlink(missing_ok=True)
         return FetchResult(self.version, self.final, self.manifest.total_size, self._received, self._resumed,
-                           time.monotonic() - t0, self._server_summary())
+                           time.monotonic() - t0, self._server_summary(),
+                           direct_io=any(f.direct for f in self._files))
 
     def _prepare(self) -> None:
         """Files and parts, restored from the journal of an interrupted fetch of the same manifest."""
@@ -173,14 +187,21 @@ class Download:
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
         fresh = []
+        part_bytes = min(self.part_bytes, self.buffers.size) if self._direct else self.part_bytes
         for entry in self.manifest.files:
             path = self.partial / entry.name
             saved = journal.get(entry.name) if journal else None
             if saved is not None and path.is_file() and path.stat().st_size == entry.size:
-                f = _File(entry, path, [_Part(*p) for p in saved["parts"]], threading.Condition(self._lock))
+                parts = [_Part(*p) for p in saved["parts"]]
+                if self._direct and not saved["verified"]:  # whole parts stay; the rest is fetched anew
+                    parts = [q for p in parts for q in ([p] if p.done == p.length else
+                                                        _split(p.start + p.length, part_bytes, p.start))]
+                    for p in parts:
+                        p.ready = p.done == p.length
+                f = _File(entry, path, parts, threading.Condition(self._lock))
                 f.verified = saved["verified"]
             else:
-                f = _File(entry, path, _split(entry.size, self.part_bytes), threading.Condition(self._lock))
+                f = _File(entry, path, _split(entry.size, part_bytes), threading.Condition(self._lock))
                 fresh.append(f)
             self._resumed += entry.size if f.verified else sum(p.done for p in f.parts)
             self._files.append(f)
@@ -191,12 +212,19 @@ class Download:
         disk.check_space(self.partial, sum(f.entry.size for f in fresh), f"version {self.version}")
         for f in fresh:
             disk.allocate(f.path, f.entry.size)
+        if self._direct:
+            for f in self._files:
+                if not f.verified:
+                    f.dfd = open_direct(f.path)
+                    f.direct = f.dfd is not None
         if self._resumed:
             log.info("%s: resuming, %.1f MiB already here", version_dirname(self.version), self._resumed / 2**20)
 
     def _write_journal(self) -> None:
         with self._lock:
-            files = {f.entry.name: {"verified": f.verified, "parts": [[p.start, p.length, p.done] for p in f.parts]}
+            # a direct part still in its buffer may not be in the file yet: it counts as not received
+            files = {f.entry.name: {"verified": f.verified,
+                                    "parts": [[p.start, p.length, p.done if p.buf is None else 0] for p in f.parts]}
                      for f in self._files}
         try:
             disk.write_journal(self.partial, self.manifest, files)
@@ -204,8 +232,8 @@ class Download:
             log.warning("cannot record progress in %s: %s", self.partial, e)
 
     def _transfer(self) -> None:
-        workers = [threading.Thread(target=self._worker, name=f"shardcast-get-{i}", daemon=True)
-                   for i in range(self.parallel)]
+        workers = self._workers = [threading.Thread(target=self._worker, name=f"shardcast-get-{i}", daemon=True)
+                                   for i in range(self.parallel)]
         for f in self._files:
             if not f.verified and f.complete():
                 self._start_hasher(f)
@@ -250,6 +278,23 @@ class Download:
             if f.fd is not None:
                 os.close(f.fd)
                 f.fd = None
+            if f.dfd is not None:
+                os.close(f.dfd)
+                f.dfd = None
+
+    def _return_buffers(self) -> None:
+        """Hand every buffer back to the pool, unless a worker may still be receiving into one (the fetch was
+        interrupted from outside): then the pool is retired and later fetches land through the page cache."""
+        if any(t.is_alive() for t in self._workers):
+            self.buffers.retire()
+        else:
+            with self._lock:
+                for f in self._files:
+                    for p in f.parts:
+                        if p.buf is not None:
+                            self.buffers.give_back(p.buf)
+                            p.buf = None
+        self.buffers.unclaim()
 
     def _server_summary(self) -> dict[str, dict]:
         servers = set(self._bytes) | set(self._errors) | self._distrusted
@@ -262,11 +307,15 @@ class Download:
         try:
             while True:
                 with self._lock:
-                    while not self._queue and self._error is None and self._landed < len(self._files):
+                    # a direct part waits for a pool buffer; parts take buffers in file order, so the part
+                    # every hasher waits for always holds one and the pool cannot deadlock
+                    while not self._can_start() and self._error is None and self._landed < len(self._files):
                         self._queue_cv.wait()
                     if self._error is not None or not self._queue:
                         return
                     f, part = self._queue.popleft()
+                    if f.direct:
+                        part.buf = self.buffers.take()
                     if f.fd is None:
                         f.fd = os.open(f.path, os.O_RDWR)
                     if not f.hashing:
@@ -276,6 +325,12 @@ class Download:
             self._fail(e)
         except Exception as e:  # a local failure (disk, memory): the fetch cannot go on, and says why
             self._fail(FetchError(f"version {self.version}: {type(e).__name__}: {e}"))
+
+    def _can_start(self) -> bool:
+        if not self._queue:
+            return False
+        f, _ = self._queue[0]
+        return not f.direct or self.buffers.available() > 0
 
     def _fetch_part(self, f: _File, part: _Part) -> None:
         tried = _Tried()
@@ -298,9 +353,14 @@ class Download:
                     self._check_range(resp, start, end, f.entry.size)
                     with self._lock:
                         f.sources.add(server)
-                    receive_into_file(resp, f.fd, start, end - start + 1, timeout=self.timeout,
-                                      progress=lambda n: self._advance(f, part, server, n),
-                                      use_splice=self.use_splice)
+                    progress = lambda n: self._advance(f, part, server, n)  # noqa: E731
+                    if part.buf is not None:
+                        with memoryview(part.buf) as view:
+                            receive_into_buffer(resp, view[part.done:part.length], timeout=self.timeout,
+                                                progress=progress)
+                    else:
+                        receive_into_file(resp, f.fd, start, end - start + 1, timeout=self.timeout,
+                                          progress=progress, use_splice=self.use_splice)
                 finally:
                     resp.close()
                 self.pool.record(server, True, part.done - before, time.monotonic() - t0)
@@ -316,6 +376,13 @@ class Download:
                         self.candidates.discard(server)
                 log.log(logging.DEBUG if repeated else logging.INFO, "version %d, %s: %s", self.version,
                         f.entry.name, e)
+        if part.buf is not None and part.done == part.length:
+            with memoryview(part.buf) as view:
+                if not write_part(f.dfd, f.fd, view[:part.length], part.start):
+                    f.dfd = None  # refused at write time: the rest of the file goes through the page cache
+            with self._lock:
+                part.ready = True
+                f.cond.notify_all()
 
     def _check_range(self, resp, start: int, end: int, size: int) -> None:
         length = resp.content_length()
@@ -388,7 +455,8 @@ class Download:
 
     def _hash(self, f: _File) -> None:
         try:
-            self._hash_loop(f)
+            if not (f.direct and self._hash_direct(f)):
+                self._hash_loop(f)  # a page-cache file, or a direct one that failed its check (fetched anew)
         except Exception as e:
             self._fail(FetchError(f"version {self.version}, {f.path}: {type(e).__name__}: {e}"))
 
@@ -426,6 +494,39 @@ class Download:
                 mapped.close()
             os.close(fd)
 
+    def _hash_direct(self, f: _File) -> bool:
+        """Hash a direct file part by part in file order, from each part's buffer (then given back to the pool)
+        or, for a part resumed from disk, from the file. True when the hasher is done (the file verified, or the
+        fetch failed); False after a mismatch, once the file is fetched again through the page cache."""
+        with self._lock:
+            generation, parts = f.generation, list(f.parts)
+        digest = hashlib.sha256()
+        for part in parts:
+            with self._lock:
+                while not part.ready and self._error is None:
+                    f.cond.wait()
+                if self._error is not None:
+                    return True
+                buf = part.buf
+            if buf is not None:
+                with memoryview(buf) as view:
+                    digest.update(view[:part.length])
+                with self._lock:
+                    if part.buf is buf:
+                        self.buffers.give_back(buf)
+                        part.buf = None
+                        self._queue_cv.notify_all()
+            else:
+                with open(f.path, "rb", buffering=0) as fh:
+                    pos, end = part.start, part.start + part.length
+                    while pos < end:
+                        block = os.pread(fh.fileno(), min(HASH_CHUNK, end - pos), pos)
+                        if not block:
+                            raise FetchError(f"{f.path}: ends at {pos}, before its {f.entry.size} bytes")
+                        digest.update(block)
+                        pos += len(block)
+        return self._finish(f, generation, digest.hexdigest())
+
     def _finish(self, f: _File, generation: int, digest: str) -> bool:
         """True once the file is verified; on a mismatch, requeue it and keep the hasher going."""
         with self._lock:
@@ -433,6 +534,9 @@ class Download:
                 return False
             if digest == f.entry.sha256:
                 fd, f.fd = f.fd, None
+                if f.dfd is not None:
+                    os.close(f.dfd)
+                    f.dfd = None
             else:
                 self._mismatch(f)
                 return False
@@ -470,6 +574,11 @@ class Download:
             self._queue_cv.notify_all()
             return
         f.single_source = True
+        if f.direct:  # fetched anew from one server through the page cache, hashed from there
+            f.direct = False
+            if f.dfd is not None:
+                os.close(f.dfd)
+                f.dfd = None
         f.generation += 1
         f.sources.clear()
         f.parts = _split(f.entry.size, f.entry.size or 1)

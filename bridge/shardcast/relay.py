@@ -166,7 +166,7 @@ async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port
     client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
     # fsync: flushed in the background after advertising (see the module docstring), not before STABLE
     client = ShardcastClient(upstreams, timeout=timeout, patience=patience, parallel=parallel,
-                             part_bytes=part_bytes, fsync=False, **client_args)
+                             part_bytes=part_bytes, fsync=False, direct_io=False, **client_args)
     if fsync:
         recover_unsynced(root)
     store = VersionStore(root, keep=keep, grace_s=grace_s)

@@ -248,3 +248,29 @@ def _copy_loop(resp, fd, offset, remaining, stall, progress) -> None:
         remaining -= n
         stall.add(n)
         progress(n)
+
+
+def receive_into_buffer(resp: Response, view: memoryview, *, timeout: float,
+                        progress: Callable[[int], None]) -> None:
+    """Fill `view` with the next `len(view)` body bytes, calling `progress(n)` as they arrive."""
+    head = resp.leftover[:len(view)]
+    view[:len(head)] = head
+    if head:
+        progress(len(head))
+    got, count = len(head), len(view)
+    stall = _Stall(resp.server, timeout)
+    try:
+        while got < count:
+            resp.sock.settimeout(stall.left())
+            try:
+                n = resp.sock.recv_into(view[got:])
+            except TimeoutError:
+                stall.left()
+                continue
+            if n == 0:
+                raise TransferError(resp.server, f"connection closed after {got} of {count} bytes")
+            got += n
+            stall.add(n)
+            progress(n)
+    except OSError as e:
+        raise TransferError(resp.server, f"transfer broke off ({e})") from e

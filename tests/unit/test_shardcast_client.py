@@ -7,8 +7,11 @@ compared with the bytes the test served.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import mmap
+import os
 import random
 import socket
 import threading
@@ -271,3 +274,80 @@ def test_a_hung_server_does_not_hold_up_the_others(serve, tmp_path):
     assert time.monotonic() - start < 10  # not the 20 s the hung server could take
     assert result.version == 1 and (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
     assert "no answer to /versions in time" in c.last_errors[parse_server_url(hung.url)]
+
+
+# ---- direct I/O (the default of a client) ------------------------------------------------------------------
+
+def test_direct_io_lands_exact_bytes_and_returns_every_buffer(serve, tmp_path):
+    """Parts of 64 KiB through a pool of 2 * 4 + 2 buffers, four workers, two servers of which one answers every
+    part late: the pool never deadlocks, every byte lands, and every buffer is back in the pool."""
+    fast = serve(honest())
+    slow_script = honest()
+
+    def slow(path, headers, conn):
+        time.sleep(0.01)
+        slow_script(path, headers, conn)
+    slow_server = serve(slow)
+    c = client(f"{fast.url},{slow_server.url}", parallel=4, buffer_bytes=64 << 10)
+    result = c.fetch(1, tmp_path)
+    assert result.direct_io and (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    ranges = [h["Range"] for p, h in fast.requests + slow_server.requests if p.endswith("model.safetensors")]
+    assert len(ranges) == len(DATA) // (64 << 10)  # parts are at most one buffer long
+    assert c.buffers.available() == 10
+    assert not client(fast.url, direct_io=False).fetch(1, tmp_path / "paged").direct_io
+
+
+def test_interrupted_direct_fetch_resumes_whole_parts(serve, tmp_path):
+    """A server that breaks off in the fifth 256 KiB part: the journal keeps the parts that were written and
+    hashed, and the next fetch asks only for the rest."""
+    part = 256 << 10
+    script = honest()
+
+    def breaks(path, headers, conn):
+        if path.endswith("model.safetensors") and int(headers["Range"].split("=")[1].split("-")[0]) >= 4 * part:
+            conn.sendall(response(206, DATA[4 * part:4 * part + 10],
+                                  {"Content-Range": f"bytes {4 * part}-{5 * part - 1}/{len(DATA)}"}, length=part))
+            return
+        script(path, headers, conn)
+    broken = serve(breaks)
+    c = client(broken.url, parallel=1, buffer_bytes=part, patience=0.5)
+    with pytest.raises(FetchError, match="nothing received"):
+        c.fetch(1, tmp_path)
+    assert c.buffers.available() == 4
+    good = serve(honest())
+    result = client(good.url, parallel=1, buffer_bytes=part).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.resumed_bytes == 4 * part + len(FILES["config.json"])  # config.json had landed too
+    first = min(int(h["Range"].split("=")[1].split("-")[0]) for p, h in good.requests if p.endswith(".safetensors"))
+    assert first == 4 * part
+
+
+def test_direct_fetch_with_a_lying_server_refetches_through_the_page_cache(serve, tmp_path):
+    """One of two servers flips a byte: the file fails its check, is fetched again from one server at a time,
+    and the liar ends up distrusted once its bytes alone fail."""
+    bad = dict(FILES, **{"model.safetensors": DATA[:100] + bytes([DATA[100] ^ 1]) + DATA[101:]})
+    liar = serve(honest(files=bad, manifest=manifest_bytes()))
+    good = serve(honest())
+    result = client(f"{liar.url},{good.url}", parallel=2, buffer_bytes=1 << 20, patience=5).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.servers[good.url]["distrusted"] is False
+
+
+def test_write_part_aligned_bulk_unaligned_tail_and_refusal(tmp_path):
+    from bridge.shardcast.direct import ALIGN, open_direct, write_part
+    path = tmp_path / "f"
+    path.write_bytes(b"\x00" * (3 * ALIGN + 300))
+    dfd, fd = open_direct(path), os.open(path, os.O_RDWR)
+    assert dfd is not None  # the test filesystem takes O_DIRECT
+    try:
+        buf = mmap.mmap(-1, 2 * ALIGN + 300)  # page-aligned, as the pool's buffers are
+        buf[:] = DATA[:len(buf)]
+        assert write_part(dfd, fd, memoryview(buf), ALIGN)  # 2 blocks direct, 300 bytes through the page cache
+        assert path.read_bytes()[ALIGN:] == DATA[:len(buf)]
+        unaligned = memoryview(bytearray(b"\x07" * (ALIGN + 1)))[1:]  # the kernel refuses this address
+        assert ctypes.addressof(ctypes.c_char.from_buffer(unaligned)) % 512
+        assert write_part(dfd, fd, unaligned, 0) is False  # O_DIRECT refused it: written through the page cache
+        assert path.read_bytes()[:ALIGN] == b"\x07" * ALIGN
+    finally:
+        os.close(dfd)
+        os.close(fd)
