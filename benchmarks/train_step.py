@@ -3,6 +3,8 @@
 One run starts three worker processes, so that each side's peak memory is its own:
 
 - `jax`: `GRPOTrainer.step` (forward, chunked token logprobs, GRPO loss, backward, global-norm clip, AdamW);
+  the process set up as `intellect train` sets itself up (`jax_trainer.host`: the XLA:CPU flags, and glibc
+  told to keep freed memory, so that XLA's per-step buffers do not page-fault afresh every step);
 - `torch`: the same step in eager PyTorch: HF `Qwen2ForCausalLM` on the same weights (exported by our
   bridge, loaded by transformers), the same loss written in torch, `clip_grad_norm_`, `torch.optim.AdamW`;
 - `peak`: a large float32 matmul through jax, the machine's practical FLOP/s ceiling.
@@ -22,7 +24,7 @@ the embedding lookup, norms or biases); the second term is QK^T and PV of causal
 attends (seq + 1) / 2 keys on average. `flops_per_token_full_attention` uses seq instead of (seq + 1) / 2 (the
 PaLM convention) for comparison.
 
-    python benchmarks/train_step.py [--rounds 5] [--steps 3] [--no-xla-flags]
+    python benchmarks/train_step.py [--rounds 5] [--steps 3] [--no-xla-flags] [--no-retain-memory]
 
 Prints one JSON object.
 """
@@ -84,19 +86,22 @@ def _serve(setup, step) -> None:
         if cmd[0] == "quit":
             break
         times = []
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(int(cmd[1])):
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"times": times}), flush=True)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        print(json.dumps({"times": times, "page_faults_per_step": faults / len(times)}), flush=True)
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
 def worker_jax(args) -> None:
-    if args.xla_flags:
-        from jax_trainer import xla_flags
+    from jax_trainer import host, xla_flags
 
+    if args.xla_flags:
         xla_flags.apply("cpu")
+    retained = host.retain_freed_memory() if args.retain_memory else False
     import jax
     from flax import nnx
 
@@ -127,7 +132,8 @@ def worker_jax(args) -> None:
         jax.block_until_ready(box["state"])
         first = time.perf_counter() - t0
         return {"compile_s": sum(compile_s), "first_step_s": first, "loss": float(metrics["loss"]),
-                "grad_norm": float(metrics["grad_norm"]), "xla_flags": __import__("os").environ.get("XLA_FLAGS", "")}
+                "grad_norm": float(metrics["grad_norm"]), "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
+                "retain_freed_memory": retained}
 
     def step():
         box["state"], metrics = box["trainer"].step(box["state"], box["batch"])
@@ -222,6 +228,7 @@ def prepare(args) -> None:
 class Worker:
     def __init__(self, kind: str, args, argv: list[str]):
         self.kind = kind
+        self.faults: list[float] = []
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--model-dir", args.model_dir,
                                       *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._read()
@@ -235,7 +242,9 @@ class Worker:
     def run(self, k: int) -> list[float]:
         self.proc.stdin.write(f"run {k}\n")
         self.proc.stdin.flush()
-        return self._read()["times"]
+        answer = self._read()
+        self.faults.append(answer["page_faults_per_step"])
+        return answer["times"]
 
     def close(self) -> dict:
         self.proc.stdin.write("quit\n")
@@ -266,6 +275,9 @@ def main() -> None:
     ap.add_argument("--peak-reps", type=int, default=10, help="peak matmuls per round")
     ap.add_argument("--no-xla-flags", dest="xla_flags", action="store_false",
                     help="do not apply jax_trainer.xla_flags (to measure what they bring)")
+    ap.add_argument("--no-retain-memory", dest="retain_memory", action="store_false",
+                    help="leave glibc's malloc as it is (jax_trainer.host.retain_freed_memory is what "
+                         "`intellect train` does by default, trainer.retain_host_memory)")
     ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -288,6 +300,7 @@ def main() -> None:
                 times[k].append(workers[k].run(n))
         ready = {k: w.ready for k, w in workers.items()}
         rss = {k: w.close()["peak_rss_mb"] for k, w in workers.items()}
+        faults = {k: round(statistics.median(w.faults)) for k, w in workers.items() if k != "peak"}
 
     tokens = args.batch * args.seq
     tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in ("jax", "torch")}
@@ -318,6 +331,8 @@ def main() -> None:
         "jax_first_step_s": round(ready["jax"]["first_step_s"], 2),
         "torch_first_step_s": round(ready["torch"]["first_step_s"], 2),
         "peak_rss_mb": {k: round(rss[k]) for k in ("jax", "torch", "peak")},
+        "page_faults_per_step": faults,
+        "jax_retains_freed_memory": ready["jax"]["retain_freed_memory"],
         "first_step": {"jax_loss": ready["jax"]["loss"], "torch_loss": ready["torch"]["loss"],
                        "jax_grad_norm": ready["jax"]["grad_norm"], "torch_grad_norm": ready["torch"]["grad_norm"]},
         "xla_flags": ready["jax"]["xla_flags"],

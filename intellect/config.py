@@ -115,6 +115,9 @@ class TrainerConfig(Section):
     """Export the policy as a Hugging Face directory for the workers every this many steps."""
     keep_checkpoints: int = Field(3, gt=0)
     """Newest orbax checkpoints kept on disk; older ones are deleted."""
+    retain_host_memory: bool = True
+    """Keep host memory the learner frees for reuse instead of returning it to the OS (glibc), so XLA:CPU's
+    per-step buffers do not page-fault afresh every step; the process keeps its peak RSS."""
     export_dtype: Dtype = "bfloat16"
     """dtype of the exported weights that workers and validators load."""
 

@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
+    from jax_trainer import host
+
+    host.prepare(cfg.trainer.retain_host_memory)  # before jax starts a backend
     import numpy as np
     from flax import nnx
     from transformers import AutoTokenizer

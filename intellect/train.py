@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the accepted-batch polls would drown the log
+    from jax_trainer import host
+
+    host.prepare(cfg.trainer.retain_host_memory)  # before jax starts a backend
     learner, params = build_learner(cfg)
     try:
         state = learner.run(params)

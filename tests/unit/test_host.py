@@ -1,0 +1,56 @@
+"""`jax_trainer.host`: glibc keeps freed memory when asked, so a buffer freed and allocated again is not faulted
+in afresh (what XLA:CPU does with its per-step temporaries)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from jax_trainer import host
+
+PROGRAM = r"""
+import ctypes, resource, sys
+from jax_trainer import host
+if sys.argv[1] == "retain":
+    assert host.retain_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+faults = []
+for _ in range(3):  # 256 MiB written, freed, and again: the size of a step's temporaries
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(256 << 20)
+    ctypes.memset(p, 1, 256 << 20)
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults)
+"""
+
+
+def _faults(mode: str) -> list[int]:
+    out = subprocess.run([sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    return eval(out.stdout)
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_freed_memory_is_reused_without_page_faults():
+    pages = (256 << 20) // os.sysconf("SC_PAGE_SIZE")
+    default = _faults("default")
+    assert all(f > pages // 2 for f in default)  # glibc maps and unmaps a block this large every time
+    retained = _faults("retain")
+    assert retained[0] > pages // 2  # the first touch is paid once
+    assert all(f < pages // 100 for f in retained[1:])  # then the same pages are reused
+
+
+def test_prepare_applies_the_xla_flags(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    done = host.prepare(retain_memory=False)
+    assert done["retain_freed_memory"] is False
+    assert os.environ["XLA_FLAGS"].split()[0] == "--xla_cpu_enable_fast_math=false"
+    assert all(flag in os.environ["XLA_FLAGS"] for flag in done["xla_flags"])
