@@ -116,8 +116,7 @@ class TrainerConfig(Section):
     keep_checkpoints: int = Field(3, gt=0)
     """Newest orbax checkpoints kept on disk; older ones are deleted."""
     retain_host_memory: bool = True
-    """Keep host memory the learner frees for reuse instead of returning it to the OS (glibc), so XLA:CPU's
-    per-step buffers do not page-fault afresh every step; the process keeps its peak RSS."""
+    """Keep freed host memory for reuse (glibc): XLA:CPU's per-step buffers stop page-faulting; RSS stays at peak."""
     export_dtype: Dtype = "bfloat16"
     """dtype of the exported weights that workers and validators load."""
 
