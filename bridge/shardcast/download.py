@@ -80,6 +80,7 @@ class _File:
         self.fd: int | None = None
         self.direct = False  # parts go through pool buffers and O_DIRECT writes (`bridge.shardcast.direct`)
         self.dfd: int | None = None  # the O_DIRECT descriptor of a direct file
+        self.direct_refused = False  # the filesystem refused an O_DIRECT write: ordinary writes from then on
         self.sources: set[ServerURL] = set()
         self.single_source = False  # after a mismatch with several sources: one part, one server at a time
         self.generation = 0  # bumped whenever landed bytes are thrown away; the hasher restarts
@@ -378,8 +379,8 @@ class Download:
                         f.entry.name, e)
         if part.buf is not None and part.done == part.length:
             with memoryview(part.buf) as view:
-                if not write_part(f.dfd, f.fd, view[:part.length], part.start):
-                    f.dfd = None  # refused at write time: the rest of the file goes through the page cache
+                if not write_part(None if f.direct_refused else f.dfd, f.fd, view[:part.length], part.start):
+                    f.direct_refused = True  # refused at write time: the rest goes through the page cache
             with self._lock:
                 part.ready = True
                 f.cond.notify_all()
