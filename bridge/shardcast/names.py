@@ -12,7 +12,11 @@ import urllib.parse
 from dataclasses import dataclass
 
 from bridge.shardcast.errors import ShardcastError
-from bridge.weights import MANIFEST_FILE, STABLE_FILE
+
+# The weights layout's names (DESIGN section 4, `bridge.weights`), spelled out here so that origins, relays and
+# clients do not import numpy and the weight converters with it (a test checks that the two agree).
+MANIFEST_FILE = "manifest.json"
+STABLE_FILE = "STABLE"
 
 MAX_VERSION = 10**15  # far beyond any optimizer step count; keeps version text short
 _VERSION_TEXT = re.compile(r"0|[1-9][0-9]{0,14}")

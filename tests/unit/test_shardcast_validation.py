@@ -186,3 +186,16 @@ def test_pool_bandwidth_is_an_ewma_and_distrust_zeroes_success():
     pool.distrust(b)
     picks = [pool.choose([a, b]) for _ in range(4000)]
     assert 0 < picks.count(b) < 40  # 0.05**2 of a's weight: rare, never impossible
+
+
+def test_shardcast_layout_names_match_the_weights_layout_and_need_no_numpy():
+    import subprocess
+    import sys
+
+    from bridge import weights
+    from bridge.shardcast import names
+
+    assert (names.MANIFEST_FILE, names.STABLE_FILE) == (weights.MANIFEST_FILE, weights.STABLE_FILE)
+    code = "import sys, bridge.shardcast, bridge.shardcast.relay; print('numpy' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
