@@ -117,7 +117,7 @@ class Worker:
     def _fetch(self, version: int) -> Path:
         servers = self._servers()
         client = self._shardcast
-        if client is None or [str(u) for u in client.servers] != [str(u) for u in parse_server_list(servers)]:
+        if client is None or client.servers != parse_server_list(servers):
             client = self._shardcast = ShardcastClient(
                 servers, timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s,
                 direct_io=self.s.fetch_direct_io, buffer_bytes=self.s.fetch_buffer_mib << 20)

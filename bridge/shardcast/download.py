@@ -2,10 +2,12 @@
 
 Every file is cut into parts of `part_bytes`; `parallel` worker threads take parts in file order, each from a
 server chosen by the `ServerPool`, and resume a broken part with `Range` from wherever they switch to. One
-hashing thread per file follows the contiguous prefix that has landed (straight from the page cache, through
-a memory map) so that a file's sha256 is known moments after its last byte. A mismatch whose bytes all came
-from one server marks that server as distrusted for the rest of the fetch; with several sources the culprit
-is unknown, so the file is fetched again from one server at a time. Every `REFRESH_S` the servers are asked
+hashing thread per file follows the contiguous prefix that has landed, so that a file's sha256 is known moments
+after its last byte: with direct I/O (`buffers`, a client's default) from each part's pool buffer, in file
+order, after the part was written with O_DIRECT; otherwise straight from the page cache, through a memory
+map. A mismatch whose bytes all came from one server marks that server as distrusted for the rest of the
+fetch; with several sources the culprit is unknown, so the file is fetched again from one server at a time
+(through the page cache). Every `REFRESH_S` the servers are asked
 again who holds the version, so relays that finish mirroring it join a long fetch. Progress is journaled
 every second (`disk`), so a fetch that is killed resumes where it stood.
 """
