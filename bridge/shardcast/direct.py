@@ -37,21 +37,28 @@ class BufferPool:
         self._free = list(self._buffers)
         self._claim = threading.Lock()
         self._retired = False
-        # the first touch of each page is paid now, in the background, not during the first transfer
+        # the first touch of each page is paid now, in the background, not during the first transfer; it
+        # writes into the buffers, so no download may have them before it is over (`claim` waits for it)
+        self._touched = threading.Event()
         threading.Thread(target=self._touch, name="shardcast-buffers", daemon=True).start()
 
     def _touch(self) -> None:
-        for buf in self._buffers:
-            for off in range(0, self.size, mmap.PAGESIZE):
-                buf[off] = 0
+        try:
+            for buf in self._buffers:
+                for off in range(0, self.size, mmap.PAGESIZE):
+                    buf[off] = 0
+        finally:
+            self._touched.set()
 
     def claim(self) -> bool:
-        """Take the pool for one download; False when another holds it or it was retired."""
+        """Take the pool for one download (once its pages are touched); False when another download holds it
+        or it was retired."""
         if not self._claim.acquire(blocking=False):
             return False
         if self._retired:
             self._claim.release()
             return False
+        self._touched.wait()
         return True
 
     def retire(self) -> None:

@@ -333,6 +333,25 @@ def test_direct_fetch_with_a_lying_server_refetches_through_the_page_cache(serve
     assert result.servers[good.url]["distrusted"] is False
 
 
+def test_buffer_pool_lends_nothing_before_its_pages_are_touched(monkeypatch):
+    """The pool touches its pages in a background thread by writing into them: a download that claimed the
+    pool before that was over would have bytes it received overwritten with zeros (a fetch right after the
+    client was made then failed its sha256 check now and then)."""
+    from bridge.shardcast import direct
+    touch = direct.BufferPool._touch
+
+    def slow_touch(self):
+        time.sleep(0.3)  # a loaded machine
+        touch(self)
+    monkeypatch.setattr(direct.BufferPool, "_touch", slow_touch)
+    pool = direct.BufferPool(2, 4 * mmap.PAGESIZE)
+    assert pool.claim()
+    buf = pool.take()
+    buf[:] = b"\xff" * len(buf)  # what a transfer receives
+    time.sleep(0.5)  # the touch thread has certainly finished
+    assert buf[:] == b"\xff" * len(buf)
+
+
 def test_write_part_aligned_bulk_unaligned_tail_and_refusal(tmp_path):
     from bridge.shardcast.direct import ALIGN, open_direct, write_part
     path = tmp_path / "f"
