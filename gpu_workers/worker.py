@@ -76,7 +76,7 @@ class WorkerSettings:
     fetch_timeout_s: float = 30.0
     fetch_patience_s: float = 300.0
     fetch_direct_io: bool = True  # land weights with O_DIRECT (see bridge.shardcast.direct)
-    fetch_buffer_mib: int = 8
+    fetch_buffer_mib: int = 32
 
 
 class Worker:

@@ -327,7 +327,7 @@ class ShardcastConfig(Section):
     """Flush fetched files to disk before a version is marked STABLE."""
     direct_io: bool = True
     """Clients (not relays) land files with O_DIRECT from a few reusable buffers instead of the page cache."""
-    buffer_mib: int = Field(8, gt=0, le=1024)
+    buffer_mib: int = Field(32, gt=0, le=1024)
     """Size of each direct I/O buffer (a client holds 2 * parallel + 2 of them); parts are at most this long."""
 
 

@@ -63,7 +63,7 @@ class ShardcastClient:
     def __init__(self, servers: str | Iterable[str], *, timeout: float = 30.0, patience: float = 300.0,
                  parallel: int = 0, part_bytes: int = 64 << 20, max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
                  fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None,
-                 direct_io: bool = True, buffer_bytes: int = 8 << 20):
+                 direct_io: bool = True, buffer_bytes: int = 32 << 20):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
         concurrent downloads, 0 for one per CPU up to 4 (receiving and hashing are CPU work: more streams than
