@@ -27,6 +27,7 @@ from pathlib import Path
 from bridge.protocol import BatchRecord, Verdict
 from bridge.rollouts import RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.names import parse_server_list
 from gpu_workers import checks
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -54,6 +55,8 @@ class ValidatorSettings:
     health_file: Path | None = None
     idle_poll_s: float = 1.0
     fetch_timeout_s: float = 30.0
+    fetch_direct_io: bool = True
+    fetch_buffer_mib: int = 32
 
 
 @dataclasses.dataclass
@@ -72,6 +75,7 @@ class Validator:
         self.store = RolloutStore.open(settings.store)
         self.loaded: collections.OrderedDict[int, _Loaded] = collections.OrderedDict()
         self.relays: list[str] = []
+        self._shardcast: ShardcastClient | None = None  # kept while the servers stay the same (its buffers)
         self.interval = settings.idle_poll_s
         self.stats = {"batches": 0, "accepted": 0, "rejected": 0, "samples": 0, "seconds": 0.0}
         self._prompt_cache: dict[tuple[int, int, int], list[int]] = {}
@@ -89,8 +93,12 @@ class Validator:
         servers = self.relays or list(self.s.servers)
         if not servers:
             raise ShardcastError("no SHARDCAST server: the policy names no relays and shardcast.servers is empty")
-        path = ShardcastClient(servers, timeout=self.s.fetch_timeout_s).fetch(
-            version, self.s.weights_dir, wait=self.s.fetch_timeout_s).path
+        client = self._shardcast
+        if client is None or client.servers != parse_server_list(servers):
+            client = self._shardcast = ShardcastClient(
+                servers, timeout=self.s.fetch_timeout_s, direct_io=self.s.fetch_direct_io,
+                buffer_bytes=self.s.fetch_buffer_mib << 20)
+        path = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s).path
         loaded = _Loaded(Prefill(path, self.s.dtype), AutoTokenizer.from_pretrained(path),
                          checks.stop_token_ids(path))
         self.loaded[version] = loaded

@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         declared=declared, samples_per_prompt=d.samples_per_prompt, length_targets=tuple(d.length_targets),
         length_penalty=d.length_penalty, length_mode=d.length_mode, system_prompt=d.system_prompt,
         servers=client_servers(cfg), dtype=v.dtype, cache_versions=v.cache_versions, lease_s=v.lease_s,
-        health_file=v.health_file, fetch_timeout_s=cfg.shardcast.timeout_s)
+        health_file=v.health_file, fetch_timeout_s=cfg.shardcast.timeout_s,
+        fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)
     try:
         return Validator(settings, training_tasks(d)).run()
     except (NodeBanned, NodeRefused) as err:
