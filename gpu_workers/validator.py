@@ -27,7 +27,6 @@ from pathlib import Path
 from bridge.protocol import BatchRecord, Verdict
 from bridge.rollouts import RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
-from bridge.shardcast.names import parse_server_list
 from gpu_workers import checks
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -94,7 +93,7 @@ class Validator:
         if not servers:
             raise ShardcastError("no SHARDCAST server: the policy names no relays and shardcast.servers is empty")
         client = self._shardcast
-        if client is None or client.servers != parse_server_list(servers):
+        if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
                 servers, timeout=self.s.fetch_timeout_s, direct_io=self.s.fetch_direct_io,
                 buffer_bytes=self.s.fetch_buffer_mib << 20)

@@ -37,7 +37,6 @@ from bridge.assignment import assigned_task_ids
 from bridge.protocol import Assignment, BatchAnnouncement, PolicyInfo
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
-from bridge.shardcast.names import parse_server_list
 from gpu_workers.engine import Engine, EngineSettings
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -117,7 +116,7 @@ class Worker:
     def _fetch(self, version: int) -> Path:
         servers = self._servers()
         client = self._shardcast
-        if client is None or client.servers != parse_server_list(servers):
+        if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
                 servers, timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s,
                 direct_io=self.s.fetch_direct_io, buffer_bytes=self.s.fetch_buffer_mib << 20)

@@ -79,6 +79,11 @@ class ShardcastClient:
         self.buffers = BufferPool(2 * self.parallel + 2, buffer_bytes) if direct_io and HAVE_DIRECT else None
         self.last_errors: dict[ServerURL, str] = {}
 
+    def same_servers(self, servers: str | Iterable[str]) -> bool:
+        """Whether `servers` names exactly this client's servers (a long-lived caller keeps the client, with its
+        measured speeds and its buffers, until the list changes)."""
+        return self.servers == parse_server_list(servers if isinstance(servers, str) else list(servers))
+
     # ---- what the servers hold ------------------------------------------------------------------------
 
     def _listing(self, server: ServerURL, after: int | None = None, wait: float = 0.0, on_open=None) -> list[int]:

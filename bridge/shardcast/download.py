@@ -90,6 +90,11 @@ class _File:
         self.verified = False
         self.hashing = False
 
+    def close_direct(self) -> None:
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
+
     def prefix(self) -> int:
         """Bytes landed contiguously from the start of the file."""
         end = 0
@@ -281,9 +286,7 @@ class Download:
             if f.fd is not None:
                 os.close(f.fd)
                 f.fd = None
-            if f.dfd is not None:
-                os.close(f.dfd)
-                f.dfd = None
+            f.close_direct()
 
     def _return_buffers(self) -> None:
         """Hand every buffer back to the pool, unless a worker may still be receiving into one (the fetch was
@@ -537,9 +540,7 @@ class Download:
                 return False
             if digest == f.entry.sha256:
                 fd, f.fd = f.fd, None
-                if f.dfd is not None:
-                    os.close(f.dfd)
-                    f.dfd = None
+                f.close_direct()
             else:
                 self._mismatch(f)
                 return False
@@ -579,9 +580,7 @@ class Download:
         f.single_source = True
         if f.direct:  # fetched anew from one server through the page cache, hashed from there
             f.direct = False
-            if f.dfd is not None:
-                os.close(f.dfd)
-                f.dfd = None
+            f.close_direct()
         f.generation += 1
         f.sources.clear()
         f.parts = _split(f.entry.size, f.entry.size or 1)
