@@ -162,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     args.overrides = overrides
     from intellect.config import ConfigError
+    from jax_trainer.xla_flags import apply_safety
+
+    apply_safety()  # before any command starts JAX: no process abort on a slow fake-device collective
 
     try:
         return args.handler(args)

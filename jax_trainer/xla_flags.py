@@ -8,6 +8,13 @@ Measured on a 2-core x86 CPU (`benchmarks/train_step.py`, float32 GRPO step of a
 
 - `--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`: XLA:CPU lets YNNPACK fuse elementwise and
   reduction work into the matmuls it already runs through YNNPACK; a few percent on the whole step.
+
+`SAFETY` flags are not about speed and go wherever this project starts JAX (every `intellect` command, the
+tests): XLA:CPU ends the whole process (a fatal check, no Python error) when a participant of a collective
+arrives more than 40 s after the first one. On a fake multi-device CPU mesh
+(`--xla_force_host_platform_device_count`) all devices share the host's cores, so at real model sizes one
+device's share of a step can lag that long (seen with a Qwen2.5-0.5B-shaped model on 2 fake devices of a
+2-core machine). The rendezvous is given a day instead: a real deadlock still ends, a slow host does not.
 """
 
 from __future__ import annotations
@@ -22,13 +29,30 @@ FLAGS: dict[str, tuple[str, ...]] = {
 }
 
 
+COLLECTIVE_TIMEOUT_S = 86400
+SAFETY: tuple[str, ...] = (
+    f"--xla_cpu_collective_call_terminate_timeout_seconds={COLLECTIVE_TIMEOUT_S}",
+    f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT_S}",
+)
+
+
 def apply(platform: str = "cpu", env: MutableMapping[str, str] = os.environ) -> list[str]:
-    """Append `platform`'s flags to `env["XLA_FLAGS"]` (those not set already); returns the flags added."""
+    """Append `platform`'s flags and the `SAFETY` flags to `env["XLA_FLAGS"]` (those not set already); returns
+    the flags added."""
     if platform not in FLAGS:
         raise ValueError(f"xla_flags: platform {platform!r} is not one of {', '.join(FLAGS)}")
+    return _add(FLAGS[platform] + SAFETY, env)
+
+
+def apply_safety(env: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Append only the `SAFETY` flags (for processes that keep XLA's default numerics, such as the tests)."""
+    return _add(SAFETY, env)
+
+
+def _add(flags: tuple[str, ...], env: MutableMapping[str, str]) -> list[str]:
     current = env.get("XLA_FLAGS", "").split()
     names = {flag.split("=", 1)[0] for flag in current}
-    added = [flag for flag in FLAGS[platform] if flag.split("=", 1)[0] not in names]
+    added = [flag for flag in flags if flag.split("=", 1)[0] not in names]
     if added:
         env["XLA_FLAGS"] = " ".join(current + added)
     return added

@@ -11,6 +11,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from jax_trainer.xla_flags import apply_safety  # noqa: E402
+
+apply_safety()  # fake CPU devices share 2 cores: a lagging collective participant must not abort the run
+
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 

@@ -11,7 +11,7 @@
 
 `param_dtype` is what the parameters are stored in (float32 master weights for training, bfloat16 to serve),
 `compute_dtype` what the matmuls run in. `remat=True` recomputes each layer's activations in the backward
-pass (`nnx.remat`, i.e. `jax.checkpoint`), trading compute for memory.
+pass (`jax.checkpoint` per layer), trading compute for memory.
 
 Layers are a Python list, not a scanned stack: parameter paths then match HF names one to one, and compile
 time at the sizes this project targets is small; a scanned variant is an optimisation left for later.
@@ -45,7 +45,20 @@ def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
     return layer(x, cos, sin, mask)
 
 
-_run_layer_remat = nnx.remat(_run_layer)
+def _run_layer_remat(layer: DecoderLayer, x, cos, sin, mask):
+    """`_run_layer` under `jax.checkpoint`, on the layer's parameters as plain arrays.
+
+    `nnx.remat` would re-bind the layer's `Param` objects inside the checkpoint, and nnx refuses that when the
+    parameters come from an enclosing trace (the pi_old recompute inside the step's `lax.map` over
+    micro-batches: "Cannot mutate Param from a different trace level"). Splitting the layer here and merging
+    a fresh copy inside the checkpointed function touches no outer object, whatever trace the call sits in.
+    """
+    graphdef, state = nnx.split(layer)
+
+    def run(state, x, cos, sin, mask):
+        return nnx.merge(graphdef, state)(x, cos, sin, mask)
+
+    return jax.checkpoint(run)(state, x, cos, sin, mask)
 
 
 class Decoder(nnx.Module):

@@ -54,3 +54,18 @@ def test_prepare_applies_the_xla_flags(monkeypatch):
     assert done["retain_freed_memory"] is False
     assert os.environ["XLA_FLAGS"].split()[0] == "--xla_cpu_enable_fast_math=false"
     assert all(flag in os.environ["XLA_FLAGS"] for flag in done["xla_flags"])
+
+
+def test_safety_flags_keep_the_users_value_and_start_jax(tmp_path):
+    from jax_trainer import xla_flags
+
+    env = {"XLA_FLAGS": "--xla_cpu_collective_timeout_seconds=5"}
+    added = xla_flags.apply_safety(env)
+    assert "--xla_cpu_collective_timeout_seconds=5" in env["XLA_FLAGS"].split()
+    assert all(not flag.startswith("--xla_cpu_collective_timeout_seconds") for flag in added) and added
+    # XLA aborts on a flag it does not know: a fresh process with every flag we add must compute
+    full = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    xla_flags.apply("cpu", full)
+    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x.sum())(jnp.ones(3))))"
+    result = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "3.0", result.stderr[-2000:]
