@@ -56,6 +56,8 @@ class Completion:
     """[n, hidden] in the engine's dtype, on the CPU: the final-norm output that produced each token."""
     proofs: list[bytes]
     """TOPLOC proofs of `hidden` in bf16 (258 bytes per chunk of 32 rows)."""
+    request_id: str = ""
+    """The engine's id of the request that generated it."""
 
 
 class _Recorder:
@@ -199,7 +201,7 @@ class ProofCapture:
                 logprobs=np.array([entry[token].logprob for entry, token in zip(sample.logprobs, tokens)],
                                   dtype=np.float32),
                 finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
-                hidden=hidden, proofs=[]))
+                hidden=hidden, proofs=[], request_id=out.request_id))
         proofs = build_proofs_batch([c.hidden.to(torch.bfloat16) for c in completions], self.chunk, self.topk)
         for completion, sample_proofs in zip(completions, proofs):
             completion.proofs = sample_proofs

