@@ -96,7 +96,11 @@ _COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
 _COMMIT_KEY = re.compile(r"v(\d{6,})/([^/]+)/COMMIT")
 _VERSION_DIR = re.compile(r"v\d{6,}")
 _CHUNK_ELEMENTS = 1 << 20  # elements per stored chunk (chunks compress and decompress in parallel)
-_MAX_CHUNK_ELEMENTS = 1 << 24  # a reader refuses larger chunks (a chunk is decoded whole)
+_SPARE_CHUNK_ELEMENTS = 1 << 16  # a chunk may exceed its array by this much at most (a chunk is decoded whole:
+# a 4 KB stored chunk of 2**24 zeros for a 9-element array made the reader allocate 128 MiB)
+_MAX_META_BYTES = 1 << 20  # meta.json longer than this is refused unread
+_MAX_ZARR_JSON_BYTES = 1 << 16  # so is an array's zarr.json (this writer's are ~350 bytes)
+_MAX_CHUNKS = 4096  # stored chunks per array a reader accepts (this writer: one per 2**20 elements, <= 512)
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
 
 CODECS: dict[str, Any] = {
@@ -151,6 +155,69 @@ class BatchMeta:
     assignment_id: str | int
     sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # temperature, top_p, max_tokens, ...
     model_dtype: str = "bfloat16"  # dtype the inference engine ran the policy in
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadLimits:
+    """What a reader holds a batch to before it reads any array (`RolloutStore.read(limits=)`).
+
+    A validator knows the assignment a batch answers and the pool's settings, so it derives these with
+    `for_assignment`: the sample count is exact, and tokens and proof bytes are bounded by it. `meta.json`'s
+    counts and each array's declared shape and chunking are compared with them from metadata alone; a batch
+    that breaks one is refused (`RolloutStoreError` naming the batch and the field) before anything is
+    allocated for its arrays. None: no bound (besides the reader's `max_batch_bytes`).
+    """
+
+    min_samples: int = 1
+    max_samples: int | None = None
+    max_tokens: int | None = None
+    """All samples' tokens together (prompts and completions)."""
+    max_proof_bytes: int | None = None
+    """All samples' TOPLOC proof bytes together."""
+    max_sample_tokens: int | None = None
+    """One sample's prompt and completion (checked once the offsets are read; the totals bound the read)."""
+    max_chunks: int = 4096  # _MAX_CHUNKS
+    """Stored chunks per array (each costs a read and some bookkeeping: an array declared in chunks of 8
+    elements cost the reader ~2 KiB and 20 us per chunk; this writer makes one chunk per 2**20 elements)."""
+
+    @classmethod
+    def for_assignment(cls, num_samples: int, max_tokens: int, max_model_len: int | None = None) -> ReadLimits:
+        """Exactly `num_samples` samples, each of at most `max_model_len` tokens (prompt + completion; None: the
+        total tokens are not bounded) with at most `max_tokens` completion tokens (which bound its proofs)."""
+        if num_samples < 1 or max_tokens < 1:
+            raise ValueError(f"read limits: num_samples ({num_samples}) and max_tokens ({max_tokens}) must be >= 1")
+        proof_bytes = -(-max_tokens // PROOF_CHUNK_TOKENS) * PROOF_CHUNK_BYTES
+        return cls(min_samples=num_samples, max_samples=num_samples,
+                   max_tokens=None if max_model_len is None else num_samples * max_model_len,
+                   max_proof_bytes=num_samples * proof_bytes, max_sample_tokens=max_model_len)
+
+    def bound(self, length: str) -> int | None:
+        """The most elements an array of `FIELDS` length kind `length` ("T", "n", "n+1", "P") may declare."""
+        return {"T": self.max_tokens, "n": self.max_samples, "n+1": None if self.max_samples is None else
+                self.max_samples + 1, "P": self.max_proof_bytes}[length]
+
+    def check_counts(self, counts: Mapping[str, int], where: str) -> None:
+        """`meta.json`'s counts against the limits."""
+        n = counts["num_samples"]
+        if n < self.min_samples or (self.max_samples is not None and n > self.max_samples):
+            wanted = (f"exactly {self.min_samples}" if self.min_samples == self.max_samples else
+                      f"{self.min_samples} to {self.max_samples}")
+            raise RolloutStoreError(where, "meta.num_samples", f"{n} samples; the reader expects {wanted}")
+        for key, limit, what in (("num_tokens", self.max_tokens, "tokens"),
+                                 ("num_proof_bytes", self.max_proof_bytes, "proof bytes")):
+            if limit is not None and counts[key] > limit:
+                raise RolloutStoreError(where, f"meta.{key}", f"declares {counts[key]} {what}, more than the "
+                                        f"{limit} that {n} samples may hold")
+
+    def check_samples(self, batch: RolloutBatch, where: str) -> None:
+        """Per-sample lengths of a batch read whole (its totals were bounded before it was read)."""
+        if self.max_sample_tokens is None:
+            return
+        long = np.flatnonzero(batch.lengths > self.max_sample_tokens)
+        if len(long):
+            i = int(long[0])
+            raise RolloutStoreError(where, "offsets", f"sample {i} has {int(batch.lengths[i])} tokens, more than "
+                                    f"the {self.max_sample_tokens} a sample may hold ({len(long)} such samples)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -486,7 +553,7 @@ class RolloutStore:
     def commit(self, version: int, batch_id: str) -> str | None:
         """The sha256 in a batch's `COMMIT`, or None when it has none (not written, or incomplete)."""
         prefix = batch_path(version, batch_id) + "/"
-        got = _result(self.kvstore.read(prefix + "COMMIT"), prefix[:-1], "COMMIT", "reading")
+        got = self._read_small(prefix + "COMMIT", 65, prefix[:-1], "COMMIT")
         if got.state == "missing":
             return None
         match = _COMMIT.fullmatch(got.value)
@@ -494,11 +561,44 @@ class RolloutStore:
             raise RolloutStoreError(prefix[:-1], "COMMIT", f"not 64 lowercase hex digits: {got.value[:80]!r}")
         return match.group(1).decode()
 
+    def _read_small(self, key: str, limit: int, where: str, field: str) -> Any:
+        """The kvstore read of a file that must hold at most `limit` bytes; a longer one is refused unread (a
+        one-byte read at offset `limit` answers OUT_OF_RANGE exactly when the file is no longer than that)."""
+        try:
+            probe = self.kvstore.read(key, byte_range=slice(limit, limit + 1)).result()
+        except Exception as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise RolloutStoreError(where, field, f"reading failed: {e}") from e
+        else:
+            if probe.state != "missing":
+                raise RolloutStoreError(where, field, f"longer than the {limit} bytes the reader accepts")
+        return _result(self.kvstore.read(key), where, field, "reading")
+
+    def _open_array(self, prefix: str, name: str, where: str) -> Any:
+        """Open one array from its `zarr.json`, read here with a bound, parsed, and given to tensorstore as the
+        metadata to assume (so the shape and chunking checked are the ones read with)."""
+        raw = self._read_small(f"{prefix}{name}/zarr.json", _MAX_ZARR_JSON_BYTES, where, name)
+        if raw.state == "missing":
+            raise RolloutStoreError(where, name, "zarr.json missing")
+        try:
+            doc = json.loads(raw.value.decode("utf-8"), parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise RolloutStoreError(where, name, f"zarr.json is not valid JSON ({e})") from e
+        if not isinstance(doc, dict):
+            raise RolloutStoreError(where, name, f"zarr.json: expected a JSON object, got {type(doc).__name__}")
+        try:
+            return ts.open({"driver": "zarr3", "metadata": doc}, kvstore=self.kvstore / f"{prefix}{name}/",
+                           context=self.context, open=True, read=True, assume_metadata=True)
+        except Exception as e:  # the spec is parsed here: a malformed zarr.json raises at once
+            raise RolloutStoreError(where, name, f"opening the array failed: {e}") from e
+
     def read(self, version: int, batch_id: str, *, vocab_size: int | None = None, expect_sha256: str | None = None,
-             max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> RolloutBatch:
+             max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, limits: ReadLimits | None = None) -> RolloutBatch:
         """Read, verify and validate a committed batch (module docstring); `RolloutStoreError` otherwise.
 
         `expect_sha256`: the digest the validator accepted; a batch committed with any other digest is refused.
+        `limits`: what the reader expects of the batch (`ReadLimits`), checked from metadata before any array
+        is read, and per sample once the arrays are read.
         """
         prefix = batch_path(version, batch_id) + "/"
         where = prefix[:-1]
@@ -507,32 +607,43 @@ class RolloutStore:
             raise RolloutStoreError(where, "COMMIT", "missing: the batch was never committed (or is being written)")
         if expect_sha256 is not None and digest != expect_sha256:
             raise RolloutStoreError(where, "COMMIT", f"sha256 {digest} differs from the accepted {expect_sha256}")
-        raw = _result(self.kvstore.read(prefix + "meta.json"), where, "meta.json", "reading")
+        raw = self._read_small(prefix + "meta.json", _MAX_META_BYTES, where, "meta.json")
         if raw.state == "missing":
             raise RolloutStoreError(where, "meta.json", "missing")
         meta, counts = parse_meta(raw.value, where)
         if (meta.version, meta.batch_id) != (int(version), batch_id):
             raise RolloutStoreError(where, "meta.json", f"describes v{meta.version:06d}/{meta.batch_id}, "
                                     "not the batch at this path")
+        if limits is not None:
+            limits.check_counts(counts, where)
         lengths = expected_lengths(counts)
         declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in FIELDS)
         if declared > max_batch_bytes:
             raise RolloutStoreError(where, "meta.json", f"declares {declared} bytes of arrays, more than the "
                                     f"reader's limit of {max_batch_bytes}")
-        opened = {name: ts.open({"driver": "zarr3"}, kvstore=self.kvstore / f"{prefix}{name}/", context=self.context,
-                                open=True, read=True) for name in FIELD_NAMES}
+        opened = {name: self._open_array(prefix, name, where) for name in FIELD_NAMES}
         reads = {}
-        for name, dtype, _ in FIELDS:
+        for name, dtype, kind in FIELDS:  # every array's declared shape and chunking, before it is read
             store = _result(opened[name], where, name, "opening the array")
             if store.dtype.numpy_dtype != np.dtype(dtype) or store.rank != 1:
                 raise RolloutStoreError(where, name, f"stored as {store.dtype.numpy_dtype} rank {store.rank}, "
                                         f"the schema says 1-D {dtype}")
+            bound = None if limits is None else limits.bound(kind)
+            if bound is not None and store.shape[0] > bound:
+                raise RolloutStoreError(where, name, f"declares {store.shape[0]} elements, more than the {bound} "
+                                        "the reader allows")
             if store.domain.inclusive_min != (0,) or store.shape != (lengths[name],):
                 raise RolloutStoreError(where, name, f"stored with domain {store.domain}, meta.json implies "
                                         f"length {lengths[name]}")
-            chunk = store.chunk_layout.read_chunk.shape
-            if chunk is None or chunk[0] > max(lengths[name], _MAX_CHUNK_ELEMENTS):
-                raise RolloutStoreError(where, name, f"chunk shape {chunk} is larger than the reader accepts")
+            layout = store.chunk_layout
+            chunks = [layout.read_chunk.shape, layout.write_chunk.shape]
+            if any(c is None or not 0 < c[0] <= max(lengths[name], _SPARE_CHUNK_ELEMENTS) for c in chunks):
+                raise RolloutStoreError(where, name, f"chunk shape {chunks[0]} (written in {chunks[1]}) is larger "
+                                        f"than the reader accepts for {lengths[name]} elements")
+            max_chunks = _MAX_CHUNKS if limits is None else limits.max_chunks
+            if -(-lengths[name] // chunks[0][0]) > max_chunks:
+                raise RolloutStoreError(where, name, f"stored in {-(-lengths[name] // chunks[0][0])} chunks of "
+                                        f"{chunks[0][0]} elements, more than the {max_chunks} the reader allows")
             reads[name] = store.read()
         arrays, digests = {}, []
         for name, dtype, _ in FIELDS:  # hash each field as soon as it is decoded, while the others still load
@@ -544,6 +655,8 @@ class RolloutStore:
                                     "(the stored bytes were altered or are incomplete)")
         batch = RolloutBatch(meta=meta, **{name: arrays[name].astype(dtype, copy=False) for name, dtype, _ in FIELDS})
         check_batch(batch, vocab_size)
+        if limits is not None:
+            limits.check_samples(batch, where)
         return batch
 
     # ---------------------------------------------------------------- listing and retention
