@@ -107,9 +107,12 @@ class BatchVerdict:
         return counts
 
     def reasons(self, limit: int = 20) -> list[str]:
-        """Up to `limit` reasons, batch-level first, each prefixed with where it applies."""
+        """Up to `limit` reasons, batch-level first, each prefixed with where it applies; those of checks that
+        did not run come last, once per check."""
         out = [f"batch: {r}" for v in self.batch_checks for r in v.reasons]
-        out += [f"sample {s.index}: {r}" for s in self.samples for v in s.verdicts for r in v.reasons]
+        out += [f"sample {s.index}: {r}" for s in self.samples for v in s.verdicts if v.ran for r in v.reasons]
+        out += dict.fromkeys(f"{v.check}: {r}" for s in self.samples for v in s.verdicts if not v.ran
+                             for r in v.reasons)
         return out[:limit]
 
     def summary(self) -> dict[str, Any]:
