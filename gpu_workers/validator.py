@@ -12,6 +12,24 @@ check of `gpu_workers.checks` against what the pool prescribes, never against wh
 
 A batch that cannot be read (missing, hash mismatch, malformed) is rejected with the reader's error as the
 reason. The claim has a lease: a validator that dies loses its claim to another after `lease_s`.
+
+No batch can crash, stall or exhaust a validator:
+
+- its work is bounded by the assignment before any array is read: the batch must hold exactly the claim's
+  `num_samples` (the orchestrator checked it against the assignment, prompts x samples per prompt, when the
+  batch was announced), and meta.json's token and proof-byte counts, every array's declared shape, its
+  chunking and the size of every metadata file are bounded by that count, the pool's max prompt length +
+  max tokens per sample and its max tokens per completion (`bridge.rollouts.ReadLimits`); a batch beyond
+  them is rejected ("store") before anything is allocated for its arrays;
+- a task id outside the task list is a fixed-data failure: the task list is never indexed with a batch's
+  value (`check_fixed_data` asks for the assigned prompts only, the reward names the id);
+- no prefill runs for a batch that fixed data or termination has already rejected (`checks.validate_batch`);
+- any exception the batch's content raises in the checks becomes a rejection ("validator") naming it, logged
+  with its traceback; only the validator's own trouble (a SHARDCAST fetch, an OSError) posts nothing and lets
+  the lease lapse;
+- a verdict the orchestrator refuses (4xx) is logged: a refused acceptance, or a refused rejection, is
+  replaced by a bare rejection saying so; the validator then goes on with the next batch (one it can post
+  nothing on is not judged again for `Validator.UNPOSTABLE_S`).
 """
 
 from __future__ import annotations
@@ -24,8 +42,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bridge.protocol import BatchRecord, Verdict
-from bridge.rollouts import RolloutStore, RolloutStoreError
+from bridge.protocol import BatchRecord, OrchestratorError, Verdict
+from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from gpu_workers import checks
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
@@ -33,6 +51,12 @@ from gpu_workers.rewards import sample_reward
 from gpu_workers.tasks import TaskDataset, prompt_tokens
 
 log = logging.getLogger("validator")
+
+
+def _reason(text: str) -> str:
+    """A verdict's reason as the protocol takes it (`bridge.protocol.Text`): no NUL, at most 1000 characters
+    (a longer one made the Verdict itself raise: a batch with many failing samples stopped the validator)."""
+    return text.replace("\x00", "\\x00")[:1000]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +90,8 @@ class _Loaded:
 
 
 class Validator:
+    UNPOSTABLE_S = 60.0  # a batch the orchestrator took no verdict on is not judged again for this long
+
     def __init__(self, settings: ValidatorSettings, tasks: TaskDataset, stop: Stop | None = None):
         self.s = settings
         self.tasks = tasks
@@ -78,6 +104,7 @@ class Validator:
         self.interval = settings.idle_poll_s
         self.stats = {"batches": 0, "accepted": 0, "rejected": 0, "samples": 0, "seconds": 0.0}
         self._prompt_cache: dict[tuple[int, int, int], list[int]] = {}
+        self._unpostable: dict[str, float] = {}  # batch -> when the orchestrator refused every verdict on it
 
     # -- weights ------------------------------------------------------------------------------------------
 
@@ -110,17 +137,26 @@ class Validator:
 
     # -- one batch ----------------------------------------------------------------------------------------
 
+    def _task(self, task_id: int):
+        """The task list's entry for `task_id`; ValueError for an id outside it (a batch's value is never an
+        index unchecked)."""
+        if not 0 <= task_id < len(self.tasks):
+            raise ValueError(f"task id {task_id} is outside the task list (0..{len(self.tasks) - 1})")
+        return self.tasks[task_id]
+
     def _prompt(self, loaded: _Loaded, version: int, task_id: int, target: int) -> Sequence[int]:
         key = (version, task_id, target)
         if key not in self._prompt_cache:
             if len(self._prompt_cache) > 100_000:
                 self._prompt_cache.clear()
-            self._prompt_cache[key] = prompt_tokens(self.tasks[task_id], loaded.tokenizer, target,
+            self._prompt_cache[key] = prompt_tokens(self._task(task_id), loaded.tokenizer, target,
                                                     self.s.system_prompt)
         return self._prompt_cache[key]
 
     def judge(self, record: BatchRecord) -> Verdict:
-        """The verdict on one announced batch (never raises for anything the batch contains)."""
+        """The verdict on one announced batch. Never raises for anything the batch contains: an exception its
+        content triggers is a rejection naming it. Raises ShardcastError or OSError for the validator's own
+        trouble (the version's weights cannot be fetched or loaded): no verdict then."""
         where = f"batch {record.batch_id} (version {record.version})"
         expected_url = self.store.batch_url(record.version, record.batch_id)
         if record.store_path.rstrip("/") != expected_url.rstrip("/"):
@@ -129,25 +165,39 @@ class Validator:
                                   f"({expected_url})")
         loaded = self._version(record.version)
         try:
+            return self._judge(record, loaded, where)
+        except (ShardcastError, OSError):
+            raise
+        except Exception as err:  # a bug the batch's content triggers: the batch is rejected, not the validator
+            log.exception("%s from %s...: the checks raised on this batch; rejecting it", where,
+                          record.node_key[:16])
+            return Verdict(accepted=False, failed_checks=["validator"], num_tokens=0,
+                           reason=_reason(f"{where}: the validator's checks raised on this batch: "
+                                          f"{type(err).__name__}: {err}"))
+
+    def _judge(self, record: BatchRecord, loaded: _Loaded, where: str) -> Verdict:
+        declared = dataclasses.replace(self.s.declared, stop_token_ids=loaded.stop_token_ids)
+        try:  # the claim's num_samples is the assignment's: the orchestrator refused any other at announcement
+            limits = ReadLimits.for_assignment(record.num_samples, declared.max_tokens, declared.max_model_len)
             batch = self.store.read(record.version, record.batch_id, vocab_size=loaded.prefill.vocab_size,
-                                    expect_sha256=record.sha256)
+                                    expect_sha256=record.sha256, limits=limits)
             samples = checks.samples_from_arrays(batch.arrays())
         except (RolloutStoreError, ValueError) as err:
-            return Verdict(accepted=False, failed_checks=["store"], num_tokens=0, reason=f"{where}: {err}"[:4000])
+            return Verdict(accepted=False, failed_checks=["store"], num_tokens=0, reason=_reason(f"{where}: {err}"))
         if batch.meta.node_key != record.node_key or int(batch.meta.version) != record.version:
             return Verdict(accepted=False, failed_checks=["store"], num_tokens=int(len(batch.tokens)),
                            reason=f"{where}: meta.json names node {batch.meta.node_key[:16]}... version "
                                   f"{batch.meta.version}, the announcement another")
-        declared = dataclasses.replace(self.s.declared, stop_token_ids=loaded.stop_token_ids)
         assignment = checks.Assignment(
             node_key=record.node_key, version=record.version, k=record.assignment_k, num_tasks=len(self.tasks),
             samples_per_prompt=self.s.samples_per_prompt,
             prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),
-            length_targets=self.s.length_targets)
+            length_targets=self.s.length_targets, num_samples=record.num_samples)
 
         def reward(sample: checks.Sample) -> float:
+            task = self._task(sample.task_id)  # check_reward turns its ValueError into a reason
             text = loaded.tokenizer.decode(sample.completion_tokens.tolist(), skip_special_tokens=True)
-            return sample_reward(self.tasks[sample.task_id], text, len(sample.completion_tokens), sample.target_len,
+            return sample_reward(task, text, len(sample.completion_tokens), sample.target_len,
                                  self.s.length_penalty, self.s.length_mode).value
 
         result = checks.validate_batch(samples, loaded.prefill, declared, assignment, reward)
@@ -158,7 +208,7 @@ class Validator:
                  "ACCEPTED" if result.accepted else "REJECTED", failed or "", summary["worst"])
         if result.accepted:
             return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)))
-        return Verdict(accepted=False, failed_checks=sorted(failed), reason="; ".join(result.reasons(8))[:4000],
+        return Verdict(accepted=False, failed_checks=sorted(failed), reason=_reason("; ".join(result.reasons(8))),
                        rewards=rewards, num_tokens=int(len(batch.tokens)))
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -187,7 +237,7 @@ class Validator:
                 claim = patiently(lambda: self.client.claim(self.s.lease_s), self.stop, "claiming", rejoin=self._join)
                 if claim is None:
                     break
-                if claim.batch is None:
+                if claim.batch is None or self._refused_lately(claim.batch.batch_id):
                     self.stop.wait(self.interval)
                     continue
                 self._validate(claim.batch)
@@ -208,8 +258,9 @@ class Validator:
             return
         if verdict is None:
             return
-        posted = patiently(lambda: self.client.verdict(record.batch_id, verdict), self.stop,
-                           f"verdict on {record.batch_id}", rejoin=self._join)
+        posted, verdict = self._post(record, verdict)
+        if verdict is None:
+            return
         seconds = time.perf_counter() - t0
         st = self.stats
         st["batches"] += 1
@@ -220,6 +271,47 @@ class Validator:
             log.info("verdict on %s posted in %.2f s (%.1f samples/s); %d accepted, %d rejected so far",
                      record.batch_id, seconds, record.num_samples / max(seconds, 1e-9), st["accepted"],
                      st["rejected"])
+
+    def _refused_lately(self, batch_id: str) -> bool:
+        """Whether the orchestrator refused every verdict on this batch less than `UNPOSTABLE_S` ago."""
+        since = self._unpostable.get(batch_id)
+        if since is not None and time.monotonic() - since >= self.UNPOSTABLE_S:
+            del self._unpostable[batch_id]
+            return False
+        return since is not None
+
+    def _post(self, record: BatchRecord, verdict: Verdict) -> tuple[BatchRecord | None, Verdict | None]:
+        """Post a verdict: (the orchestrator's record or None when stopped, the verdict posted or None).
+
+        A refusal (4xx) is logged and never raised. 404 and 409 (judged already, or the claim went to another):
+        nothing is left to post. Any other refusal, of an acceptance (e.g. 422: its rewards do not fit the
+        batch) or of a rejection, is answered with a bare rejection that says so; if that is refused too, the
+        batch is not judged again by this validator for `UNPOSTABLE_S` (a claim of it is skipped meanwhile)."""
+        what = f"verdict on {record.batch_id}"
+        try:
+            return patiently(lambda: self.client.verdict(record.batch_id, verdict), self.stop, what,
+                             rejoin=self._join), verdict
+        except OrchestratorError as err:
+            log.error("the orchestrator refused the %s of %s: %s", "acceptance" if verdict.accepted else
+                      "rejection", record.batch_id, err)
+            if err.status in (404, 409):
+                return None, None
+            refusal = err
+        kind = "acceptance" if verdict.accepted else "rejection"
+        bare = Verdict(accepted=False, failed_checks=verdict.failed_checks or ["verdict"],
+                       num_tokens=verdict.num_tokens,
+                       reason=_reason(f"batch {record.batch_id}: the orchestrator refused the validator's {kind} "
+                                      f"(HTTP {refusal.status}: {refusal.detail}); {verdict.reason}"))
+        try:
+            return patiently(lambda: self.client.verdict(record.batch_id, bare), self.stop, what,
+                             rejoin=self._join), bare
+        except OrchestratorError as err:
+            log.error("the orchestrator refused a bare rejection of %s too (%s); not judging it again for %.0f s",
+                      record.batch_id, err, self.UNPOSTABLE_S)
+            if len(self._unpostable) > 10_000:
+                self._unpostable.clear()
+            self._unpostable[record.batch_id] = time.monotonic()
+            return None, None
 
     def _metrics(self) -> dict[str, float]:
         st = self.stats
