@@ -40,8 +40,10 @@ so a batch is visible to readers only once all of it is durable; a leftover of a
 is cleared and rewritten, a committed batch is never overwritten.
 
 Reading: `COMMIT`, then `meta.json`, then every array (declared sizes are checked before any array is read,
-so a corrupt or hostile batch cannot make the reader allocate more than `max_batch_bytes`), then the digest,
-then every invariant of `check_batch`. Anything wrong raises `RolloutStoreError`, whose message starts with
+so a corrupt or hostile batch cannot make the reader allocate more than `max_batch_bytes`, or more than a
+validator's `ReadLimits` allow: the assignment's sample count and the tokens and proof bytes it may hold;
+metadata files are read with a size bound, and a chunk may not be far larger than its array nor an array
+split into more than 4,096 chunks), then the digest, then every invariant of `check_batch`. Anything wrong raises `RolloutStoreError`, whose message starts with
 the batch (`v000003/b-17`) and the field; a batch either reads back exactly as written or not at all. The
 digest proves the batch is the one its writer committed; `read(expect_sha256=)` also proves it is the one
 the validator accepted (a worker that rewrites a batch after validation can write a matching `COMMIT`).
