@@ -190,11 +190,11 @@ class SamplingTolerance:
     """Largest difference between the worker's and the validator's raw logits the replay check allows for
     (None: `REPLAY_LOGIT_TOLERANCE` of the pool's dtype). A token whose noisy score z_t + g_t falls short of
     the best noisy score by more than 2 x this / T is not the seed's choice."""
-    near_ties_per_sample: float = 2.0
+    near_ties_per_sample: float = 3.0
     """Tokens per sample that may differ from the validator's own replayed choice (inside the margin) ..."""
-    near_ties_per_token: float = 0.01
+    near_ties_per_token: float = 0.05
     """... plus this many per completion token."""
-    near_ties_per_batch_token: float = 0.004
+    near_ties_per_batch_token: float = 0.04
     """Such disagreements across the whole batch, per completion token (plus `near_ties_per_sample`)."""
 
 
@@ -381,10 +381,12 @@ def check_sampling_batch(completions: Sequence[tuple[Sequence[int], Sequence[flo
     return verdicts
 
 
-REPLAY_LOGIT_TOLERANCE = {"float32": 0.02, "float16": 0.25, "bfloat16": 0.5}
-"""Default `SamplingTolerance.replay_logit_tolerance` per worker dtype: the largest raw-logit difference between
-a vLLM worker and a transformers validator measured on honest runs (`benchmarks/replay_calibration.py`),
-with room to spare."""
+REPLAY_LOGIT_TOLERANCE = {"float32": 0.02, "float16": 0.25, "bfloat16": 0.75}
+"""Default `SamplingTolerance.replay_logit_tolerance` per worker dtype, from honest vLLM-worker / transformers-
+validator runs (`tests/integration/test_replay_attacks.py` prints them): the largest replay gap seen was 0.50
+logit units in bfloat16 (a peaked policy at T 0.6, top-p 0.9) and 0 in float32; the defaults leave room for
+larger models, whose logits are larger and round coarser in bfloat16. The near-tie budgets below were set
+from the same runs: up to 1.7% of an honest bfloat16 completion's tokens were near ties (none in float32)."""
 
 
 def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], temperature: float, top_p: float,
