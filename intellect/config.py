@@ -115,8 +115,8 @@ class TrainerConfig(Section):
     """Export the policy as a Hugging Face directory for the workers every this many steps."""
     keep_checkpoints: int = Field(3, gt=0)
     """Newest orbax checkpoints kept on disk; older ones are deleted."""
-    retain_host_memory: bool = True
-    """Keep freed host memory for reuse (glibc): XLA:CPU's per-step buffers stop page-faulting; RSS stays at peak."""
+    retain_host_memory: bool | Literal["auto"] = "auto"
+    """Keep freed host memory for reuse (glibc; RSS stays at peak): "auto" only where the model leaves room for it."""
     export_dtype: Dtype = "bfloat16"
     """dtype of the exported weights that workers and validators load."""
 

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     from jax_trainer import host
 
-    host.prepare(cfg.trainer.retain_host_memory)  # before jax starts a backend
+    host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
     import numpy as np
     from flax import nnx
     from transformers import AutoTokenizer

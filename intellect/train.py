@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the accepted-batch polls would drown the log
     from jax_trainer import host
 
-    host.prepare(cfg.trainer.retain_host_memory)  # before jax starts a backend
+    host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
     learner, params = build_learner(cfg)
     try:
         state = learner.run(params)

@@ -69,3 +69,19 @@ def test_safety_flags_keep_the_users_value_and_start_jax(tmp_path):
     code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x.sum())(jnp.ones(3))))"
     result = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "3.0", result.stderr[-2000:]
+
+
+def test_auto_retention_only_where_the_model_leaves_room(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # prepare() appends to it
+    small, large = tmp_path / "small", tmp_path / "large"
+    for directory, size in ((small, 4 << 20), (large, 1 << 30)):
+        directory.mkdir()
+        (directory / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+        with open(directory / "model.safetensors", "wb") as f:
+            f.truncate(size)  # sparse: the size is what counts
+    on, why = host.auto_retain(small, physical_bytes=24 << 30)
+    assert on and "2M parameters" in why
+    off, why = host.auto_retain(large, physical_bytes=24 << 30)  # 0.5B bf16 parameters: 32 GiB > 24 GiB
+    assert not off and "537M parameters" in why and "exceed" in why
+    assert host.auto_retain(tmp_path / "missing")[0] is False
+    assert host.prepare("auto", large)["retain_freed_memory"] is False
