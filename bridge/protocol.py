@@ -57,7 +57,9 @@ Count = Annotated[int, Field(ge=0, le=MAX_INT)]
 Version = Annotated[int, Field(ge=0, le=2**31 - 1, description="policy version: optimizer steps since the base")]
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="64 lowercase hex characters")]
 NodeKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="ed25519 public key, 64 lowercase hex")]
-BatchId = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+# The one definition of a batch id (the orchestrator's routes, the fast lane and the rollout store use it).
+BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+BatchId = Annotated[str, Field(pattern=BATCH_ID_PATTERN,
                                description="batch id: letters, digits, '.', '_', '-'; at most 128")]
 Text = Annotated[str, Field(max_length=1000, pattern=r"^[^\x00]*$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00]*$")]

@@ -67,6 +67,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
+from bridge.protocol import BATCH_ID_PATTERN
+
 SCHEMA_VERSION = 1
 PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (DESIGN section 7)
 PROOF_CHUNK_TOKENS = 32  # decode steps covered by one proof
@@ -92,7 +94,7 @@ FIELD_NAMES = tuple(name for name, _, _ in FIELDS)
 _DTYPE = {name: dtype for name, dtype, _ in FIELDS}
 _META_KEYS = frozenset({"schema", "batch_id", "node_key", "version", "assignment_id", "sampling", "model_dtype",
                         "num_samples", "num_tokens", "num_proof_bytes"})
-_BATCH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_BATCH_ID = re.compile(BATCH_ID_PATTERN)  # used with fullmatch
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{1,256}")
 _COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
 _COMMIT_KEY = re.compile(r"v(\d{6,})/([^/]+)/COMMIT")

@@ -14,22 +14,25 @@ signature windows with a fake one.
 import asyncio
 import contextlib
 import functools
+import inspect
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Path as PathParam, Query, Request
-from fastapi.responses import HTMLResponse, PlainTextResponse, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, TypeAdapter
 from sqlalchemy.orm import sessionmaker
 
-from bridge.protocol import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT, PROTOCOL_VERSION,
-                             Assignment, BanRequest, BatchAnnouncement, BatchList, BatchRecord, BatchStatus, ClaimRequest,
-                             ClaimResponse, Health, HeartbeatRequest, HeartbeatResponse, Ledger, NodeInfo, NodeList,
+from bridge.protocol import (BATCH_ID_PATTERN, HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT,
+                             PROTOCOL_VERSION, Assignment, BanRequest, BatchAnnouncement, BatchList, BatchStatus,
+                             ClaimRequest, ClaimResponse, Health, HeartbeatRequest, Ledger, NodeInfo, NodeList,
                              PolicyAnnouncement, PolicyInfo, PoolRequirements, RegisterRequest, RegisterResponse,
                              Verdict, solve_challenge)
 from intellect.config import Config
@@ -37,7 +40,8 @@ from orchestrator import dashboard
 from orchestrator.auth import Authenticator, RateLimiter
 from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
 from orchestrator.durability import WalSync
-from orchestrator.fast_lane import HEARTBEAT_PATH, fast_lane, read_body, replaying
+from orchestrator.fast_lane import NODE_ROUTES, NodeRoute, fast_lane, read_body, replaying
+from orchestrator.guards import BodyError, decode_json, is_json_content_type, json_error, validation_errors
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.metrics import Metrics
 from orchestrator.nodes import LiveNode, NodeRegistry
@@ -148,12 +152,13 @@ def _json(reply: bytes) -> Response:
 
 
 def _limit_body(app: Callable, max_bytes: int) -> Callable:
-    """ASGI middleware: a request body over `max_bytes` is answered 413 before any handler sees it."""
+    """ASGI middleware: a request body over `max_bytes` is answered 413, and a POST body with a JSON Content-Type
+    that is not strict JSON (guards.decode_json) 422, before any handler sees it."""
 
     async def refuse(send, status: int = 413,
-                     detail: str = f"request body over the limit of {max_bytes} bytes (orchestrator.max_body_bytes)"
-                     ) -> None:
-        body = json.dumps({"detail": detail}).encode()
+                     detail: str | list = f"request body over the limit of {max_bytes} bytes "
+                                          "(orchestrator.max_body_bytes)") -> None:
+        body = json.dumps({"detail": detail}, separators=(",", ":")).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -171,6 +176,12 @@ def _limit_body(app: Callable, max_bytes: int) -> Callable:
             return None
         if len(body) > max_bytes:
             return await refuse(send)
+        if body and scope["method"] == "POST" and is_json_content_type(
+                dict(reversed(scope["headers"])).get(b"content-type")):
+            try:
+                decode_json(body)
+            except BodyError as exc:
+                return await refuse(send, 422, json_error(str(exc)))
         return await app(scope, replaying(body, receive), send)
 
     return guarded
@@ -226,6 +237,11 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
                               "decentralized RL run (DESIGN section 8). Node routes are signed with ed25519.")
     app.state.orchestrator = svc
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422 without the input it would repeat (guards.py)."""
+        return JSONResponse({"detail": validation_errors(exc.errors())}, 422)
+
     async def signed(request: Request) -> str:
         h = request.headers
         return svc.auth.verify(request.scope, await request.body(), h.get(HEADER_KEY), h.get(HEADER_TIMESTAMP),
@@ -272,11 +288,8 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         return _reply(RegisterResponse(status=status, node_key=key, reasons=reasons, requirements=svc.requirements,
                                        challenge=challenge, policy=svc.scheduler.policy))
 
-    @app.post(HEARTBEAT_PATH, response_model=HeartbeatResponse, responses=_ERRORS, tags=["nodes"],
-              openapi_extra=_SIGNED_ROUTE)
-    async def heartbeat(body: HeartbeatRequest, node: Annotated[tuple, Depends(role(None))]) -> Response:
-        """Declared for the OpenAPI document and for requests the fast lane hands on (fast_lane.py)."""
-        return _json(node_routes.heartbeat(*node, body))
+    for spec in NODE_ROUTES:  # also served by the fast lane (fast_lane.py), from the same table
+        _declare(app, spec, getattr(node_routes, spec.answer), role(spec.role))
 
     @app.post("/v1/nodes/deregister", response_model=NodeInfo, responses=_ERRORS, tags=["nodes"],
               openapi_extra=_SIGNED_ROUTE)
@@ -285,25 +298,6 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         svc.registry.leave(node[0])
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node[0]])[0])
-
-    @app.post("/v1/batches", response_model=BatchRecord, responses={**_ERRORS, 409: {"description": "conflict"},
-                                                                     429: {"description": "rate limited"}},
-              tags=["work"], openapi_extra=_SIGNED_ROUTE)
-    async def announce(body: BatchAnnouncement, node: Annotated[tuple, Depends(role("worker"))]) -> Response:
-        return _json(node_routes.announce(*node, body))
-
-    @app.post("/v1/validation/claim", response_model=ClaimResponse, responses=_ERRORS, tags=["work"],
-              openapi_extra=_SIGNED_ROUTE)
-    async def claim(node: Annotated[tuple, Depends(role("validator"))],
-                    body: Annotated[ClaimRequest, Body()] = ClaimRequest()) -> Response:
-        return _json(node_routes.claim(*node, body))
-
-    @app.post("/v1/batches/{batch_id}/verdict", response_model=BatchRecord,
-              responses={**_ERRORS, 404: {"description": "no such batch"}, 409: {"description": "not your claim"}},
-              tags=["work"], openapi_extra=_SIGNED_ROUTE)
-    async def verdict(batch_id: Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")],
-                      body: Verdict, node: Annotated[tuple, Depends(role("validator"))]) -> Response:
-        return _json(node_routes.verdict(*node, body, batch_id))
 
     @app.get("/v1/batches", response_model=BatchList, responses=_ERRORS, tags=["work"],
              openapi_extra=_LEARNER_OPTIONAL)
@@ -363,6 +357,28 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
     app.add_middleware(_Middleware, wrap=svc.metrics.middleware)
     app.add_middleware(_Middleware, wrap=lambda inner: _limit_body(inner, svc.max_body_bytes))
     return app
+
+
+def _declare(app: FastAPI, spec: NodeRoute, answer: Callable[..., bytes], node: Callable) -> None:
+    """The FastAPI route of a NODE_ROUTES entry: its body model, the signed-node dependency `node` and a
+    BATCH_ID_PATTERN check of each path parameter, answered by the NodeRoutes method `answer`."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("node", keyword, annotation=Annotated[tuple, Depends(node)]),
+              inspect.Parameter("body", keyword, annotation=Annotated[spec.model, Body()],
+                                default=inspect.Parameter.empty if spec.empty_body is None else spec.empty_body)]
+    params += [inspect.Parameter(name, keyword, annotation=Annotated[str, PathParam(pattern=BATCH_ID_PATTERN)])
+               for name in re.findall(r"{(\w+)}", spec.path)]
+
+    async def endpoint(**values) -> Response:
+        key, live = values.pop("node")
+        body = values.pop("body")
+        return _json(answer(key, live, body, *values.values()))
+
+    endpoint.__signature__ = inspect.Signature(params)
+    endpoint.__name__ = spec.answer
+    app.add_api_route(spec.path, endpoint, methods=["POST"], response_model=spec.reply, description=spec.description,
+                      responses={**_ERRORS, **{code: {"description": text} for code, text in spec.responses}},
+                      tags=["nodes" if spec.role is None else "work"], openapi_extra=_SIGNED_ROUTE)
 
 
 def _openapi(app: FastAPI) -> dict:
