@@ -318,9 +318,15 @@ class ShardcastConfig(Section):
     retire_grace_s: float = Field(60.0, ge=0)
     """Seconds a relay keeps a version it no longer advertises after its last request, for clients mid-fetch."""
     max_connections: int = Field(1024, gt=0)
-    """Connections a server accepts at once; more are closed immediately."""
+    """Connections a server holds at once; a newcomer displaces an idle one of the fullest address, else is closed."""
     max_connections_per_ip: int = Field(64, gt=0)
-    """Connections a server accepts at once from one client address."""
+    """Connections a server holds at once from one client address (IPv6: one /64); beyond it, as above."""
+    header_timeout_s: float = Field(10.0, gt=0)
+    """Seconds a server gives a request head from its first byte to its last; slower ones get 408 and are closed."""
+    keepalive_s: float = Field(15.0, gt=0)
+    """Seconds a server keeps a connection with no request in progress (before the first and between requests)."""
+    max_header_kib: int = Field(16, gt=0, le=1024)
+    """Largest request head (request line and headers) a server reads, in KiB; larger get 431 and are closed."""
     max_version_gib: float = Field(4096.0, gt=0)
     """Largest version (sum of its files) a client or relay accepts, in GiB; a manifest claiming more is refused."""
     fsync: bool = True

@@ -77,7 +77,11 @@ def origin_url(sc) -> str:
 
 
 def _server_limits(sc) -> dict:
-    return {"timeout": sc.timeout_s, "max_connections": sc.max_connections, "max_per_ip": sc.max_connections_per_ip}
+    from bridge.shardcast.server import ServerLimits
+
+    return {"timeout": sc.timeout_s, "limits": ServerLimits(
+        max_connections=sc.max_connections, max_per_ip=sc.max_connections_per_ip,
+        header_timeout=sc.header_timeout_s, keepalive=sc.keepalive_s, max_header_bytes=sc.max_header_kib << 10)}
 
 
 def _serve(role: str, directory: Path, make) -> int:

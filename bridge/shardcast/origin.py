@@ -12,18 +12,18 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from bridge.shardcast.server import ShardcastServer
+from bridge.shardcast.server import ServerLimits, ShardcastServer
 from bridge.shardcast.store import VersionStore
 
 
 async def serve_origin(root: Path, *, host: str, port: int, ready: Callable[[str], None], timeout: float = 30.0,
-                       max_connections: int = 1024, max_per_ip: int = 64, test_fault: str | None = None,
+                       limits: ServerLimits = ServerLimits(), test_fault: str | None = None,
                        poll_s: float = 0.05) -> None:
     """Serve until cancelled; `ready(url)` is called once the port is bound."""
     store = VersionStore(Path(root))
     store.scan()
-    server = ShardcastServer(store, role="origin", host=host, port=port, timeout=timeout,
-                             max_connections=max_connections, max_per_ip=max_per_ip, test_fault=test_fault)
+    server = ShardcastServer(store, role="origin", host=host, port=port, timeout=timeout, limits=limits,
+                             test_fault=test_fault)
     ready(await server.start())
     try:
         while True:

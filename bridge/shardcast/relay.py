@@ -31,7 +31,7 @@ from bridge.shardcast.client import ShardcastClient
 from bridge.shardcast.errors import ManifestError, ShardcastError, WaitTimeout
 from bridge.shardcast.manifest import Manifest, parse_manifest, read_version_dir
 from bridge.shardcast.names import MANIFEST_FILE, STABLE_FILE, parse_version_dirname, version_dirname
-from bridge.shardcast.server import ShardcastServer
+from bridge.shardcast.server import ServerLimits, ShardcastServer
 from bridge.shardcast.store import VersionStore
 
 log = logging.getLogger("shardcast.relay")
@@ -158,8 +158,8 @@ class Mirror:
 async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port: int, keep: int,
                       ready: Callable[[str], None], grace_s: float = 60.0, timeout: float = 30.0,
                       patience: float = 300.0, parallel: int = 0, part_bytes: int = 64 << 20,
-                      max_version_bytes: int | None = None, fsync: bool = True, max_connections: int = 1024,
-                      max_per_ip: int = 64, test_fault: str | None = None) -> None:
+                      max_version_bytes: int | None = None, fsync: bool = True,
+                      limits: ServerLimits = ServerLimits(), test_fault: str | None = None) -> None:
     """Mirror and serve until cancelled; `ready(url)` is called once the port is bound."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -172,8 +172,8 @@ async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port
     store = VersionStore(root, keep=keep, grace_s=grace_s)
     store.scan()
     _leftovers(root, store.latest)
-    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout,
-                             max_connections=max_connections, max_per_ip=max_per_ip, test_fault=test_fault)
+    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout, limits=limits,
+                             test_fault=test_fault)
     ready(await server.start())
     loop = asyncio.get_running_loop()
     stop = threading.Event()

@@ -5,10 +5,21 @@ Routes: `GET /versions[?after=N&wait=S]` (long-poll), `GET /v/{version}/manifest
 GET does. A URL's segments are matched as raw text against validated versions and against the names in the
 version's manifest, so nothing outside a version directory can ever be named.
 
-Bounds against hostile clients: at most `max_connections` connections, `max_per_ip` from one address (more
-are closed at once); a connection idle for `timeout` seconds before or between requests is closed; a response
-whose client takes more than `timeout` seconds to accept the next `SEND_CHUNK` bytes is aborted (sendfile
-keeps nothing in memory meanwhile); long-polls are capped at `MAX_WAIT` seconds.
+Bounds against hostile clients (`ServerLimits`; the recipe's `[shardcast]` section sets them):
+- connections: at most `max_connections` in all and `max_per_ip` from one client address (an IPv6 client is
+  its /64). A new connection beyond either cap first displaces a connection of the fullest address that is
+  doing nothing useful (idle, or sending its request head for over `EVICT_AFTER_S`, or waiting in a
+  long-poll), oldest first; only when none is displaceable is the new one refused (closed at once). So idle
+  or trickling sockets cannot lock an address's other clients out: they lose their place to the next
+  connection from that address.
+- request heads: at most `max_header_bytes` (request line and headers; 431 and close) and `header_timeout`
+  seconds from a head's first byte to its last (408 and close); a connection with no request in progress is
+  closed after `keepalive` seconds (before its first request and between requests).
+- bodies: GET and HEAD carry none; a request with a body gets 413 and the connection is closed without the
+  body being read.
+- responses: a client that takes more than `timeout` seconds to accept the next `SEND_CHUNK` bytes is
+  dropped (sendfile keeps nothing in memory meanwhile); long-polls are capped at `MAX_WAIT` seconds.
+- `Range`: one range of `bytes=` only; anything that selects no byte (`bytes=-0`, a start past the end) is 416.
 
 `test_fault` exists for the tests only: "corrupt" flips one byte in every MiB a file response carries;
 "slow:RATE" sends file bytes at RATE bytes/s. Neither is reachable from a recipe, only from the command line.
@@ -17,12 +28,16 @@ keeps nothing in memory meanwhile); long-polls are capped at `MAX_WAIT` seconds.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import os
+import re
 from collections import Counter
+from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from bridge.shardcast.errors import ShardcastError
 from bridge.shardcast.names import MANIFEST_FILE, check_file_name, parse_version
@@ -33,7 +48,59 @@ log = logging.getLogger("shardcast.server")
 SEND_CHUNK = 4 << 20
 MAX_WAIT = 60.0
 FAULT_BLOCK = 1 << 20
+EVICT_AFTER_S = 1.0  # a connection may be displaced once it has done nothing useful for this long
 _JSON = "application/json"
+_RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})", re.ASCII | re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one server grants its clients; the defaults suit a server on the internet."""
+
+    max_connections: int = 1024
+    max_per_ip: int = 64
+    header_timeout: float = 10.0
+    keepalive: float = 15.0
+    max_header_bytes: int = 16 << 10
+
+
+def client_group(ip: str) -> str:
+    """The address a connection counts against: the IPv4 address, or the /64 of an IPv6 one (one host
+    commonly holds a whole /64)."""
+    try:
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if addr.version == 6:
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(start, count) of a `Range` header on a file of `size` bytes; None without one. ValueError for a
+    malformed header or a range that selects no byte (both answered 416)."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    if m is None:
+        raise ValueError("expected one range 'bytes=FIRST-[LAST]' or 'bytes=-SUFFIX'")
+    first, last = m.groups()
+    if not first and not last:
+        raise ValueError("a range needs a first byte or a suffix length")
+    if not first:  # the last `last` bytes
+        suffix = int(last)
+        if suffix == 0 or size == 0:
+            raise ValueError("the range selects no byte")
+        return max(0, size - suffix), min(suffix, size)
+    start = int(first)
+    stop = size if not last else min(int(last) + 1, size)
+    if last and int(last) < start:
+        raise ValueError("the range ends before it starts")
+    if start >= stop:
+        raise ValueError(f"the range starts past the file's {size} bytes")
+    return start, stop - start
 
 
 def parse_test_fault(text: str | None) -> tuple[str, float] | None:
@@ -53,54 +120,172 @@ def parse_test_fault(text: str | None) -> tuple[str, float] | None:
     raise ShardcastError(f"--test-fault {text!r}: expected 'corrupt' or 'slow:BYTES_PER_S'")
 
 
+class _Connection(RequestHandler):
+    """aiohttp's connection handler, watched: when the current request head started arriving and how many
+    bytes it has taken, and whether a request is being answered (and whether that answer is a long-poll)."""
+
+    def __init__(self, manager: _LimitedServer, **kwargs):
+        super().__init__(manager, **kwargs)
+        self.limits = manager.limits
+        self.group = "?"
+        self.last_active = self._loop.time()
+        self.head_started: float | None = None
+        self.head_bytes = 0  # bytes since the end of the last head
+        self._tail = b""  # the last bytes received, up to 3, after the last head's end (a terminator may straddle)
+        self.busy = False
+        self.long_poll = False
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self._force_close:
+            if not self.busy and self.head_started is None:
+                self._head_begins()
+            if not self._heads_fit(data):
+                if self.busy:  # junk sent while its answer is going out: no room for a status line
+                    self.force_close()
+                else:
+                    self.refuse(431, "Request Header Fields Too Large")
+                return
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # a complete head was parsed
+            self.head_started = None
+
+    def _heads_fit(self, data: bytes) -> bool:
+        """Count `data` into the request heads it belongs to (every head ends with an empty line); False once
+        one is longer than `max_header_bytes`, whether or not it is complete."""
+        limit = self.limits.max_header_bytes
+        view = self._tail + data
+        base, consumed, search = len(self._tail), 0, 0
+        while (end := view.find(b"\r\n\r\n", search)) >= 0:
+            through = end + 4 - base  # bytes of `data` up to the end of this head
+            if self.head_bytes + through - consumed > limit:
+                return False
+            self.head_bytes, consumed, search = 0, through, end + 4
+        self.head_bytes += len(data) - consumed
+        self._tail = view[max(search, len(view) - 3):]
+        return self.head_bytes <= limit
+
+    def _head_begins(self) -> None:
+        self.head_started = started = self._loop.time()
+        self._loop.call_at(started + self.limits.header_timeout, self._head_deadline, started)
+
+    def _head_deadline(self, started: float) -> None:
+        if self.head_started == started and not self.busy and self.transport is not None:
+            self.refuse(408, "Request Timeout")
+
+    def refuse(self, status: int, reason: str) -> None:
+        """Answer `status` without reading further, and close."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\n"
+                                 "Connection: close\r\n\r\n".encode())
+        self.force_close()
+
+    def begin(self, long_poll: bool = False) -> None:
+        self.busy, self.long_poll = True, long_poll
+
+    def end(self) -> None:
+        self.busy = self.long_poll = False
+        self.last_active = self._loop.time()
+        if self.head_bytes and self.head_started is None:  # bytes of a pipelined head came meanwhile
+            self._head_begins()
+
+    def displaceable(self, now: float) -> tuple[int, float] | None:
+        """Sort key among connections that may be closed to make room (idle ones first, oldest first); None
+        for one doing useful work (answering a request, or a head that only just started)."""
+        if self.transport is None or self.transport.is_closing():
+            return None
+        if self.busy:
+            return (2, self.last_active) if self.long_poll and now - self.last_active > EVICT_AFTER_S else None
+        if self.head_started is not None:
+            return (1, self.head_started) if now - self.head_started > EVICT_AFTER_S else None
+        return (0, self.last_active) if now - self.last_active > EVICT_AFTER_S else None
+
+
 class _LimitedServer(web.Server):
-    """aiohttp's server with a cap on connections, in all and per client address."""
+    """aiohttp's server with caps on connections, in all and per client address (see the module docstring)."""
 
-    def __init__(self, handler, *, max_connections: int, max_per_ip: int, **kwargs):
+    def __init__(self, handler, *, limits: ServerLimits, **kwargs):
         super().__init__(handler, **kwargs)
-        self.max_connections, self.max_per_ip = max_connections, max_per_ip
-        self._addr: dict[object, str] = {}
-        self._per_ip: Counter[str] = Counter()
+        self.limits = limits
+        self._groups: dict[str, set[_Connection]] = {}
+        self._open: set[_Connection] = set()
         self._refused: Counter[str] = Counter()
+        self.displaced = 0
 
-    def connection_made(self, handler, transport) -> None:
+    def __call__(self) -> _Connection:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+    def connection_made(self, handler: _Connection, transport) -> None:
         super().connection_made(handler, transport)
         peer = transport.get_extra_info("peername")
-        ip = str(peer[0]) if peer else "?"
-        if len(self._addr) >= self.max_connections or self._per_ip[ip] >= self.max_per_ip:
-            self._refused[ip] += 1
-            if self._refused[ip] & (self._refused[ip] - 1) == 0:  # 1, 2, 4, 8...: bounded logging
-                log.warning("refused %d connection(s) from %s so far (%d open from it, %d in all)",
-                            self._refused[ip], ip, self._per_ip[ip], len(self._addr))
-            transport.abort()
-            return
-        self._addr[handler] = ip
-        self._per_ip[ip] += 1
+        group = client_group(str(peer[0])) if peer else "?"
+        mine = self._groups.get(group, set())
+        full = len(mine) >= self.limits.max_per_ip
+        if full or len(self._open) >= self.limits.max_connections:
+            victim = self._victim(mine if full else self._open)
+            if victim is None:
+                self._refused[group] += 1
+                if self._refused[group] & (self._refused[group] - 1) == 0:  # 1, 2, 4, 8...: bounded logging
+                    log.warning("refused %d connection(s) from %s so far (%d open from it, %d in all)",
+                                self._refused[group], group, len(mine), len(self._open))
+                # after aiohttp has started the connection's task (on Python 3.11 a connection lost before it
+                # runs makes that task fail with an AssertionError, logged with a traceback)
+                self._loop.call_soon(transport.abort)
+                return
+            self.displaced += 1
+            self._forget(victim)
+            victim.force_close()
+        handler.group = group
+        self._groups.setdefault(group, set()).add(handler)
+        self._open.add(handler)
+
+    def _victim(self, among: set[_Connection]) -> _Connection | None:
+        """The connection to close for a newcomer: among the displaceable ones, one of the fullest address,
+        idle before trickling before long-polling, oldest first."""
+        now = self._loop.time()
+        best, best_key = None, None
+        for conn in among:
+            rank = conn.displaceable(now)
+            if rank is not None:
+                key = (-len(self._groups.get(conn.group, ())), *rank)
+                if best_key is None or key < best_key:
+                    best, best_key = conn, key
+        return best
+
+    def _forget(self, handler: _Connection) -> None:
+        if handler in self._open:
+            self._open.discard(handler)
+            mine = self._groups.get(handler.group)
+            if mine is not None:
+                mine.discard(handler)
+                if not mine:
+                    del self._groups[handler.group]
 
     def connection_lost(self, handler, exc=None) -> None:
-        ip = self._addr.pop(handler, None)
-        if ip is not None:
-            self._per_ip[ip] -= 1
-            if not self._per_ip[ip]:
-                del self._per_ip[ip]
+        self._forget(handler)
         super().connection_lost(handler, exc)
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    return web.json_response({"error": message}, status=status, headers=headers)
+def _error(status: int, message: str, headers: dict | None = None, close: bool = False) -> web.Response:
+    resp = web.json_response({"error": message}, status=status, headers=headers)
+    if close:
+        resp.force_close()
+    return resp
 
 
 class ShardcastServer:
     """Serves a `VersionStore` over HTTP; `start()` binds and returns the base URL (port 0 picks a free one)."""
 
     def __init__(self, store: VersionStore, *, role: str, host: str, port: int, timeout: float = 30.0,
-                 max_connections: int = 1024, max_per_ip: int = 64, test_fault: str | None = None):
+                 limits: ServerLimits = ServerLimits(), test_fault: str | None = None):
         self.store, self.role, self.host, self.port = store, role, host, port
-        self.timeout = timeout
+        self.timeout, self.limits = timeout, limits
         self.fault = parse_test_fault(test_fault)
+        line = min(8190, limits.max_header_bytes)
+        # lingering_time 0: a request body is never read (413 closes the connection instead)
         self._server = _LimitedServer(
-            self._handle, max_connections=max_connections, max_per_ip=max_per_ip,
-            keepalive_timeout=timeout, access_log=None)
+            self._handle, limits=limits, keepalive_timeout=limits.keepalive, lingering_time=0,
+            max_line_size=line, max_field_size=line, access_log=None)
         self._runner: web.ServerRunner | None = None
         self.url = ""
 
@@ -118,8 +303,22 @@ class ShardcastServer:
             await self._runner.cleanup()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        conn = request.protocol
+        watched = isinstance(conn, _Connection)
+        if watched:
+            conn.begin(long_poll=request.rel_url.raw_path == "/versions" and "wait" in request.rel_url.query)
+        try:
+            return await self._route(request)
+        finally:
+            if watched:
+                conn.end()
+
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
-            return _error(405, f"{request.method} is not served; only GET and HEAD", {"Allow": "GET, HEAD"})
+            return _error(405, f"{request.method} is not served; only GET and HEAD",
+                          {"Allow": "GET, HEAD"}, close=True)
+        if request.body_exists:
+            return _error(413, "GET and HEAD requests carry no body here", close=True)
         parts = request.rel_url.raw_path.split("/")[1:]
         try:
             if parts == ["healthz"]:
@@ -168,19 +367,14 @@ class ShardcastServer:
             return _error(404, f"version {version} has no file {name!r}")
         size = entry.size
         try:
-            rng = request.http_range
+            rng = parse_range(request.headers.get("Range"), size)
         except ValueError as e:
             return _error(416, f"Range {request.headers.get('Range', '')[:60]!r}: {e}",
                           {"Content-Range": f"bytes */{size}"})
-        if rng.start is None:
+        if rng is None:
             start, count, status = 0, size, 200
         else:
-            start = max(0, size + rng.start) if rng.start < 0 else rng.start
-            stop = size if rng.stop is None else min(rng.stop, size)
-            if start >= stop:
-                return _error(416, f"Range {request.headers['Range'][:60]!r} is outside the file's {size} bytes",
-                              {"Content-Range": f"bytes */{size}"})
-            count, status = stop - start, 206
+            (start, count), status = rng, 206
         with self.store.pinned(version):
             try:
                 f = open(self.store.path(version) / name, "rb")

@@ -397,7 +397,8 @@ def test_server_methods_ranges_and_oversized_headers(hostile_origin):
                           ("bytes=0-", data)]:
         status, headers, body = raw_request(url, "/v/1/big.safetensors", headers=(f"Range: {rng}",), limit=64 * MIB)
         assert status == 206 and body == expected and int(headers["Content-Length"]) == len(expected), rng
-    for rng in ["bytes=9-5", f"bytes={len(data)}-", "bytes=0-1,5-6", "lines=1-2"]:
+    for rng in ["bytes=9-5", f"bytes={len(data)}-", "bytes=0-1,5-6", "lines=1-2", "bytes=-0", "bytes=-",
+                "bytes=" + "0" * 30 + "1-"]:  # bytes=-0 selects no byte: 416 (it answered 206 with the file)
         status, headers, _ = raw_request(url, "/v/1/big.safetensors", headers=(f"Range: {rng}",))
         assert status == 416 and headers["Content-Range"] == f"bytes */{len(data)}", rng
     status, headers, body = raw_request(url, "/v/1/big.safetensors", method="HEAD")
@@ -411,7 +412,7 @@ def test_many_slow_connections_are_bounded(hostile_origin, tmp_path):
     answered, the rest closed at once, and the 8 are dropped once stalled; others are served meanwhile."""
     from bridge.shardcast import ShardcastClient
 
-    url, files, _ = hostile_origin
+    url, files, tmp = hostile_origin
     port = int(url.rsplit(":", 1)[1])
     socks = []
     for _ in range(20):
@@ -446,3 +447,146 @@ def test_many_slow_connections_are_bounded(hostile_origin, tmp_path):
     for s in socks:
         s.close()
     assert get_json(f"{url}/healthz")["ok"] is True
+    log = (tmp / "origin.log").read_text()
+    assert "refused" in log and "Traceback" not in log  # refusals are logged, and cost no traceback
+
+
+# ---- connection limits against a real origin: each client address is its own 127.0.0.x ----------------------
+
+LIMITS = ("--shardcast.max_connections_per_ip", "8", "--shardcast.max_connections", "32",
+          "--shardcast.header_timeout_s", "1", "--shardcast.keepalive_s", "2", "--shardcast.max_header_kib", "8",
+          "--shardcast.timeout_s", "2")
+
+
+@pytest.fixture(scope="module")
+def limited_origin(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("limited")
+    weights = tmp / "weights"
+    publish(weights, 1, {"config.json": b'{"a": 1}', "w.safetensors": random.Random(4).randbytes(MIB)})
+    cluster = Cluster(tmp)
+    url = cluster.origin(weights, *LIMITS)
+    yield url, int(url.rsplit(":", 1)[1])
+    cluster.close()
+
+
+def connect_from(ip: str, port: int, timeout: float = 5.0) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(ip, 0))
+
+
+def closed_by_server(s: socket.socket, within: float) -> tuple[bool, bytes]:
+    """(whether the server closed the connection within `within` seconds, what it sent before)."""
+    s.settimeout(0.1)
+    got = bytearray()
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            return True, bytes(got)
+        if not chunk:
+            return True, bytes(got)
+        got += chunk
+    return False, bytes(got)
+
+
+def get_from(ip: str, port: int, target: str = "/versions", timeout: float = 3.0) -> int:
+    """Status of one GET sent from `ip` (0: the connection was refused or reset)."""
+    try:
+        with connect_from(ip, port, timeout) as s:
+            s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            head = s.recv(4096)
+    except OSError:
+        return 0
+    return int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else 0
+
+
+def test_idle_sockets_from_one_address_do_not_lock_its_other_clients_out(limited_origin):
+    """Finding 9: the per-address cap of idle sockets locked the address out for the keep-alive time. Now a
+    newcomer displaces an idle socket of its address that has done nothing for a second."""
+    _, port = limited_origin
+    idle = [connect_from("127.0.0.3", port) for _ in range(8)]  # the address's whole share, sending nothing
+    time.sleep(1.3)
+    t0 = time.monotonic()
+    statuses = [get_from("127.0.0.3", port) for _ in range(5)]
+    assert statuses == [200] * 5 and time.monotonic() - t0 < 3
+    assert sum(closed_by_server(s, 0.5)[0] for s in idle) >= 5  # the displaced ones
+    assert all(closed_by_server(s, 3.0)[0] for s in idle)  # the rest: closed after keepalive_s (2 s)
+    for s in idle:
+        s.close()
+
+
+def test_total_cap_displaces_idle_sockets_of_the_fullest_address(limited_origin):
+    _, port = limited_origin
+    idle = [connect_from(f"127.0.0.{4 + i}", port) for i in range(4) for _ in range(8)]  # 32: the total cap
+    time.sleep(1.3)
+    assert [get_from("127.0.0.20", port) for _ in range(3)] == [200] * 3
+    for s in idle:
+        s.close()
+
+
+def test_long_polls_do_not_lock_out_their_address(limited_origin):
+    _, port = limited_origin
+    polls = []
+    for _ in range(8):
+        s = connect_from("127.0.0.21", port)
+        s.sendall(b"GET /versions?after=5&wait=30 HTTP/1.1\r\nHost: x\r\n\r\n")
+        polls.append(s)
+    time.sleep(1.3)
+    assert get_from("127.0.0.21", port) == 200
+    assert get_from("127.0.0.21", port, "/v/1/manifest.json") == 200
+    for s in polls:
+        s.close()
+
+
+def test_a_trickled_head_is_answered_408_and_closed(limited_origin):
+    _, port = limited_origin
+    with connect_from("127.0.0.22", port) as s:
+        s.sendall(b"GET /versions HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        got, closed = b"", False
+        for i in range(40):  # a header byte every 0.1 s, for at most 4 s
+            try:
+                s.sendall(b"X-Slow: " if i == 0 else b"y")
+            except OSError:
+                closed = True
+                break
+            closed, got = closed_by_server(s, 0.1)
+            if closed:
+                break
+        assert closed and time.monotonic() - t0 < 2.5, "the trickled head was not cut off"
+        assert got.startswith(b"HTTP/1.1 408"), got[:80]
+
+
+def test_a_connection_without_a_request_is_closed_after_keepalive(limited_origin):
+    _, port = limited_origin
+    with connect_from("127.0.0.23", port) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive: the connection stays open after it
+        t0 = time.monotonic()
+        closed, got = closed_by_server(s, 5.0)
+        assert closed and got.startswith(b"HTTP/1.1 200") and 1.5 < time.monotonic() - t0 < 4.0
+
+
+@pytest.mark.parametrize("fields", [[("X-Big", "y" * 100_000)], [(f"X-F{i}", "z" * 1000) for i in range(64)]])
+def test_oversized_heads_are_refused_early(limited_origin, fields):
+    """One huge field, or many fields each under the per-field limit: refused once the head passes 8 KiB."""
+    _, port = limited_origin
+    head = "GET /versions HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields) + "\r\n"
+    with connect_from("127.0.0.24", port) as s:
+        try:
+            s.sendall(head.encode())
+        except OSError:
+            pass
+        closed, got = closed_by_server(s, 3.0)
+    assert closed and got[:9] in (b"HTTP/1.1 ", b"HTTP/1.0 ") and got[9:12] in (b"431", b"400"), got[:80]
+    assert get_from("127.0.0.24", port, "/healthz") == 200
+
+
+def test_a_get_with_a_body_is_refused_without_reading_it(limited_origin):
+    _, port = limited_origin
+    with connect_from("127.0.0.25", port) as s:
+        s.sendall(b"GET /versions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000000\r\n\r\n0123456789")
+        t0 = time.monotonic()
+        closed, got = closed_by_server(s, 3.0)
+    assert closed and got.startswith(b"HTTP/1.1 413") and time.monotonic() - t0 < 1.0, got[:80]

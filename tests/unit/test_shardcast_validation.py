@@ -18,6 +18,7 @@ from bridge.shardcast.names import (
     version_dirname,
 )
 from bridge.shardcast.pool import ServerPool
+from bridge.shardcast.server import client_group, parse_range
 from bridge.weights import verify_manifest
 
 
@@ -199,3 +200,29 @@ def test_shardcast_layout_names_match_the_weights_layout_and_need_no_numpy():
     code = "import sys, bridge.shardcast, bridge.shardcast.relay; print('numpy' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("header, size, expected", [
+    (None, 10, None), ("bytes=0-", 10, (0, 10)), ("bytes=3-5", 10, (3, 3)), ("bytes=3-99", 10, (3, 7)),
+    ("bytes=-4", 10, (6, 4)), ("bytes=-99", 10, (0, 10)), ("BYTES=9-9", 10, (9, 1)), (" bytes=0-0 ", 10, (0, 1)),
+])
+def test_parse_range_selects_the_bytes_asked_for(header, size, expected):
+    assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize("header, size", [
+    ("bytes=-0", 10), ("bytes=-0", 0), ("bytes=-5", 0), ("bytes=0-", 0), ("bytes=10-", 10), ("bytes=5-4", 10),
+    ("bytes=-", 10), ("bytes=0-1,3-4", 10), ("lines=0-1", 10), ("bytes=1e3-", 10), ("bytes=" + "9" * 20 + "-", 10),
+    ("bytes=\u0661-", 10),  # a non-ASCII digit
+])
+def test_parse_range_refuses_what_selects_no_byte_or_is_malformed(header, size):
+    with pytest.raises(ValueError):
+        parse_range(header, size)
+
+
+def test_client_groups_are_addresses_and_ipv6_slash_64s():
+    assert client_group("203.0.113.7") == "203.0.113.7"
+    assert client_group("2001:db8:1:2:aaaa::1") == client_group("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert client_group("2001:db8:1:3::1") != client_group("2001:db8:1:2::1")
+    assert client_group("::ffff:198.51.100.9") == "198.51.100.9"
+    assert client_group("fe80::1%eth0") == "fe80::/64" and client_group("not an address") == "not an address"
