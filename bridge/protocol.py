@@ -145,6 +145,8 @@ class PolicyInfo(Reply):
     min_version: int = Field(description="oldest version still inside the async window")
     relays: list[str]
     announced_at: float | None
+    manifests: dict[int, str] = Field(default={}, description="sha256 of each window version's manifest.json, as "
+                                      "the learner announced it: SHARDCAST clients accept no other manifest")
 
 
 class RegisterRequest(Request):
@@ -243,6 +245,8 @@ class ClaimRequest(Request):
 class ClaimResponse(Reply):
     batch: BatchRecord | None
     lease_expires_at: float | None
+    manifest_sha256: str | None = Field(None, description="sha256 of the manifest of the batch's policy version, "
+                                        "when the learner announced one")
 
 
 CheckName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")]
@@ -274,6 +278,8 @@ class PolicyAnnouncement(Request):
     version: Version
     learner_step: int | None = Field(None, ge=0, le=2**31 - 1, description="default: version")
     relays: list[Url] | None = Field(None, max_length=64, description="replaces the relay list when given")
+    manifest_sha256: Hex64 | None = Field(None, description="sha256 of the version's manifest.json; workers, "
+                                          "validators and relays accept no other manifest for the version")
 
 
 class NodeInfo(Reply):
@@ -481,9 +487,10 @@ class _Routes:
         return self._call(_Call("GET", "/v1/batches", BatchList, params={k: v for k, v in params.items()
                                                                            if v is not None}, auth="admin"))
 
-    def announce_policy(self, version: int, learner_step: int | None = None, relays: list[str] | None = None
-                        ) -> PolicyInfo:
-        body = PolicyAnnouncement(version=version, learner_step=learner_step, relays=relays)
+    def announce_policy(self, version: int, learner_step: int | None = None, relays: list[str] | None = None,
+                        manifest_sha256: str | None = None) -> PolicyInfo:
+        body = PolicyAnnouncement(version=version, learner_step=learner_step, relays=relays,
+                                  manifest_sha256=manifest_sha256)
         return self._call(_Call("POST", "/v1/policy", PolicyInfo, body, auth="admin"))
 
     def nodes(self) -> NodeList:

@@ -45,6 +45,7 @@ from pathlib import Path
 from bridge.protocol import BatchRecord, OrchestratorError, Verdict
 from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers import checks
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -100,6 +101,7 @@ class Validator:
         self.store = RolloutStore.open(settings.store)
         self.loaded: collections.OrderedDict[int, _Loaded] = collections.OrderedDict()
         self.relays: list[str] = []
+        self.pins: dict[int, str] = {}  # manifest sha256 by version, as the orchestrator announced them
         self._shardcast: ShardcastClient | None = None  # kept while the servers stay the same (its buffers)
         self.interval = settings.idle_poll_s
         self.stats = {"batches": 0, "accepted": 0, "rejected": 0, "samples": 0, "seconds": 0.0}
@@ -108,10 +110,22 @@ class Validator:
 
     # -- weights ------------------------------------------------------------------------------------------
 
+    def _pin(self, manifests: dict[int, str]) -> None:
+        """Remember announced manifest sha256s (a batch may be judged after its version left the window)."""
+        self.pins.update(manifests)
+        for old in sorted(self.pins)[:-256]:
+            del self.pins[old]
+
     def _version(self, version: int) -> _Loaded:
+        pin = self.pins.get(version)
         if version in self.loaded:
-            self.loaded.move_to_end(version)
-            return self.loaded[version]
+            path = self.s.weights_dir / f"v{version:06d}"
+            if pin is None or held_manifest_sha256(path) == pin:
+                self.loaded.move_to_end(version)
+                return self.loaded[version]
+            log.warning("version %d was loaded from another manifest than the announced %s: fetching it again",
+                        version, pin[:12])
+            del self.loaded[version]
         from transformers import AutoTokenizer
 
         from gpu_workers.prefill import Prefill
@@ -124,7 +138,7 @@ class Validator:
             client = self._shardcast = ShardcastClient(
                 servers, timeout=self.s.fetch_timeout_s, direct_io=self.s.fetch_direct_io,
                 buffer_bytes=self.s.fetch_buffer_mib << 20)
-        path = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s).path
+        path = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s, manifest_sha256=pin).path
         loaded = _Loaded(Prefill(path, self.s.dtype), AutoTokenizer.from_pretrained(path),
                          checks.stop_token_ids(path))
         self.loaded[version] = loaded
@@ -216,6 +230,7 @@ class Validator:
     def _join(self):
         reply = join(self.client, "validator", hardware_report())
         self.relays = list(reply.policy.relays)
+        self._pin(reply.policy.manifests)
         self.interval = min(self.s.idle_poll_s, reply.requirements.heartbeat_interval_s)
         return reply
 
@@ -232,6 +247,7 @@ class Validator:
                     if beat is None:
                         break
                     self.relays = list(beat.policy.relays)
+                    self._pin(beat.policy.manifests)
                     last_beat = time.monotonic()
                     touch(self.s.health_file)
                 claim = patiently(lambda: self.client.claim(self.s.lease_s), self.stop, "claiming", rejoin=self._join)
@@ -240,6 +256,8 @@ class Validator:
                 if claim.batch is None or self._refused_lately(claim.batch.batch_id):
                     self.stop.wait(self.interval)
                     continue
+                if claim.manifest_sha256 is not None:
+                    self._pin({claim.batch.version: claim.manifest_sha256})
                 self._validate(claim.batch)
         except NodeBanned as err:
             log.error("%s", err)

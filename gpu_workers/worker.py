@@ -37,6 +37,7 @@ from bridge.assignment import assigned_task_ids
 from bridge.protocol import Assignment, BatchAnnouncement, PolicyInfo
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers.engine import Engine, EngineSettings
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -76,6 +77,18 @@ class WorkerSettings:
     fetch_patience_s: float = 300.0
     fetch_direct_io: bool = True  # land weights with O_DIRECT (see bridge.shardcast.direct)
     fetch_buffer_mib: int = 32
+
+
+def pinned_manifest(policy: PolicyInfo | None, version: int) -> str | None:
+    """The manifest sha256 the orchestrator announced for `version` (None: the learner pinned none, the pool
+    then trusts its relays). A version missing while others are pinned is refused: it left the window, or the
+    policy is older than the version asked for."""
+    if policy is None or not policy.manifests:
+        return None
+    if version not in policy.manifests:
+        raise ShardcastError(f"version {version} has no announced manifest sha256 (the policy pins "
+                             f"{sorted(policy.manifests)}); not fetching it unpinned")
+    return policy.manifests[version]
 
 
 class Worker:
@@ -120,7 +133,8 @@ class Worker:
             client = self._shardcast = ShardcastClient(
                 servers, timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s,
                 direct_io=self.s.fetch_direct_io, buffer_bytes=self.s.fetch_buffer_mib << 20)
-        result = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s)
+        result = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s,
+                              manifest_sha256=pinned_manifest(self.policy, version))
         if not result.already_present:
             log.info("fetched version %d: %.1f MiB in %.2f s", version, result.received_bytes / 2**20,
                      result.seconds)
@@ -170,7 +184,12 @@ class Worker:
         path = self.s.weights_dir / f"v{version:06d}"
         if not (path / "STABLE").exists() and self._fetching is not None:
             self._fetching.join()  # a background download may be landing it (two would race for the directory)
-        if not (path / "STABLE").exists():
+        pin = pinned_manifest(self.policy, version)
+        if (path / "STABLE").exists() and pin is not None and held_manifest_sha256(path) != pin:
+            log.warning("version %d is held under another manifest than the announced %s: fetching it again",
+                        version, pin[:12])
+            path = self._fetch(version)  # replaces it
+        elif not (path / "STABLE").exists():
             log.info("version %d is not held yet: fetching it now", version)
             path = self._fetch(version)
         model_dir = self._tampered(path, version) if self.tamper else path

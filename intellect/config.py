@@ -327,6 +327,8 @@ class ShardcastConfig(Section):
     """Seconds a server keeps a connection with no request in progress (before the first and between requests)."""
     max_header_kib: int = Field(16, gt=0, le=1024)
     """Largest request head (request line and headers) a server reads, in KiB; larger get 431 and are closed."""
+    pin_manifests: bool = True
+    """Relays mirror a version only under the manifest sha256 the orchestrator (worker.orchestrator_url) announced."""
     max_version_gib: float = Field(4096.0, gt=0)
     """Largest version (sum of its files) a client or relay accepts, in GiB; a manifest claiming more is refused."""
     fsync: bool = True

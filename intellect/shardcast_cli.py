@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     relay.add_argument("--host", help="address to listen on (default: shardcast.host)")
     relay.add_argument("--port", type=int, required=True, help="port to listen on, 0 for any free one")
     relay.add_argument("--keep", type=int, help="newest versions to keep (default: shardcast.keep_versions)")
+    relay.add_argument("--orchestrator", help="orchestrator whose announced manifest sha256s the relay pins "
+                       "(default: worker.orchestrator_url; none when shardcast.pin_manifests is false)")
     relay.add_argument("--test-fault", help=_FAULT_HELP)
 
     fetch = role("fetch", "download a version, verified, into DIR/v000123/")
@@ -127,6 +129,7 @@ def _relay(args, config) -> int:
     parse_test_fault(args.test_fault)
     upstreams = parse_server_list(args.upstream or sc.servers or [origin_url(sc)])
     keep = sc.keep_versions if args.keep is None else args.keep
+    pin_url = args.orchestrator or (config.worker.orchestrator_url if sc.pin_manifests else None)
     if keep < 1:
         print(f"intellect shardcast relay: --keep {keep}: keep at least 1 version", file=sys.stderr)
         return 1
@@ -134,7 +137,7 @@ def _relay(args, config) -> int:
         args.dir, [str(u) for u in upstreams], host=args.host or sc.host, port=args.port, keep=keep, ready=ready,
         grace_s=sc.retire_grace_s, patience=sc.patience_s, parallel=sc.parallel, part_bytes=sc.part_mib << 20,
         max_version_bytes=int(sc.max_version_gib * 2**30), fsync=sc.fsync, test_fault=args.test_fault,
-        **_server_limits(sc)))
+        pin_url=pin_url, **_server_limits(sc)))
 
 
 def _fetch(args, config) -> int:

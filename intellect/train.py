@@ -6,13 +6,15 @@ of the rollout store (`RolloutPipeline`), exporting `run.dir/weights/v{n:06d}` a
 
 Where accepted batches come from (`trainer.accepted_from`):
 - `orchestrator`: `GET /v1/batches?status=accepted` of `worker.orchestrator_url` with the operator token
-  (`orchestrator.admin_token`), with the validators' rewards; new versions are announced with `POST /v1/policy`.
+  (`orchestrator.admin_token`), with the validators' rewards; new versions are announced with `POST /v1/policy`,
+  each with its manifest's sha256 (workers, validators and relays accept no other manifest for that version).
 - `store`: every committed batch of the store, with the workers' own rewards: a trusted single box only.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 from pathlib import Path
 
@@ -58,8 +60,10 @@ def build_learner(cfg):
         client = OrchestratorClient(cfg.worker.orchestrator_url, admin_token=cfg.orchestrator.admin_token)
         accepted = OrchestratorListing(client)
 
-        def announce(version: int, _path: Path) -> None:
-            client.announce_policy(version, learner_step=version)
+        def announce(version: int, path: Path) -> None:
+            # the manifest's sha256 travels with the version: SHARDCAST clients accept no other manifest for it
+            manifest_sha256 = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+            client.announce_policy(version, learner_step=version, manifest_sha256=manifest_sha256)
     else:
         accepted = StoreListing(store, trust_worker_rewards=True)
     t = cfg.trainer

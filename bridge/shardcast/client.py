@@ -13,7 +13,10 @@ its direct I/O buffers (`direct_io`, see `bridge.shardcast.direct`), allocated o
 
 Trust: every file is checked against the manifest, so no server can slip in bytes the manifest does not
 vouch for; the manifest itself is believed from the first server that offers it unless `manifest_sha256`
-pins it (relays pass on the exact manifest bytes, so one sha256 identifies a version on every server).
+pins it (relays pass on the exact manifest bytes, so one sha256 identifies a version on every server). With
+a pin (workers, validators and relays take it from the orchestrator, which has it from the learner), a server
+that offers another manifest is distrusted and left out of the download, the manifest is taken from another
+holder, and a version held locally under another manifest is replaced.
 """
 
 from __future__ import annotations
@@ -188,17 +191,24 @@ class ShardcastClient:
             version = check_version(version, "version")
             local = out_root / version_dirname(version)
             if (local / STABLE_FILE).exists():
-                held = held_version(local, version, manifest_sha256)
-                return FetchResult(version, local, held.total_size, 0, 0, 0.0, {}, already_present=True)
+                try:
+                    held = held_version(local, version, manifest_sha256)
+                    return FetchResult(version, local, held.total_size, 0, 0, 0.0, {}, already_present=True)
+                except FetchError as e:
+                    if manifest_sha256 is None:
+                        raise
+                    log.warning("%s: fetching the pinned manifest's version in its place", e)
         holders, version = self._locate(version, wait)
-        manifest = self._manifest(version, holders, manifest_sha256)
+        manifest, impostors = self._manifest(version, holders, manifest_sha256)
+        sources = [s for s in holders if s not in impostors]
         log.info("fetching %s (%d files, %.1f MiB) from %s", version_dirname(version), len(manifest.files),
-                 manifest.total_size / 2**20, ", ".join(map(str, holders)))
+                 manifest.total_size / 2**20, ", ".join(map(str, sources)))
         download = Download(
-            manifest=manifest, root=out_root, pool=self.pool, candidates=set(holders),
-            refresh=lambda: {s for s, vs in self.versions().items() if version in vs},
+            manifest=manifest, root=out_root, pool=self.pool, candidates=set(sources),
+            refresh=lambda: {s for s, vs in self.versions().items() if version in vs} - impostors,
             timeout=self.timeout, patience=self.patience, parallel=self.parallel, part_bytes=self.part_bytes,
-            fsync=self.fsync, use_splice=self.use_splice, buffers=self.buffers, on_progress=on_progress)
+            fsync=self.fsync, use_splice=self.use_splice, buffers=self.buffers, on_progress=on_progress,
+            replace_held=manifest_sha256 is not None)
         result = download.run()
         if not result.already_present:
             log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s)", version_dirname(version),
@@ -234,9 +244,13 @@ class ShardcastClient:
             except WaitTimeout:
                 pass
 
-    def _manifest(self, version: int, holders: list[ServerURL], pin: str | None) -> Manifest:
-        """The version's manifest from the first holder (in pool order) that serves a valid one."""
+    def _manifest(self, version: int, holders: list[ServerURL], pin: str | None
+                  ) -> tuple[Manifest, set[ServerURL]]:
+        """The version's manifest from the first holder (in pool order) that serves a valid one (the pinned
+        one, given `pin`), and the holders that offered another manifest (impostors: no bytes are taken
+        from them for this version)."""
         errors: list[str] = []
+        impostors: set[ServerURL] = set()
         remaining = list(holders)
         while remaining:
             server = self.pool.choose(remaining) or remaining[0]
@@ -251,7 +265,10 @@ class ShardcastClient:
                 continue
             if pin is not None and manifest.sha256 != pin:
                 self.pool.distrust(server)
+                impostors.add(server)
                 errors.append(f"{server}{path}: sha256 {manifest.sha256} is not the expected {pin}")
+                log.warning("%s offers another manifest for %s (sha256 %s, pinned %s): distrusted",
+                            server, version_dirname(version), manifest.sha256[:12], pin[:12])
                 continue
-            return manifest
+            return manifest, impostors
         raise FetchError(f"no valid manifest for version {version}: " + "; ".join(errors))

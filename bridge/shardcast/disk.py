@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 from bridge.shardcast.errors import FetchError, ManifestError
@@ -45,6 +47,23 @@ def held_version(path: Path, version: int, expected_sha256: str | None = None) -
         raise FetchError(f"{path}: holds a different version {version} (manifest sha256 {held.sha256[:12]}, "
                          f"expected {expected_sha256[:12]}); remove it")
     return held
+
+
+def held_manifest_sha256(path: Path) -> str | None:
+    """The sha256 of the manifest of the version landed at `path` (None: no complete version there)."""
+    try:
+        if not (path / STABLE_FILE).exists():
+            return None
+        return hashlib.sha256((path / MANIFEST_FILE).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def discard(path: Path) -> None:
+    """Remove a landed version directory: renamed aside first (atomic), so it is never seen half-deleted."""
+    trash = path.with_name(f".{path.name}.replaced-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def check_space(path: Path, needed: int, what: str) -> None:

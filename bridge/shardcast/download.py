@@ -126,8 +126,12 @@ class Download:
     def __init__(self, *, manifest: Manifest, root: Path, pool: ServerPool, candidates: set[ServerURL],
                  refresh: Callable[[], set[ServerURL]], timeout: float, patience: float, parallel: int,
                  part_bytes: int, fsync: bool = True, use_splice: bool = HAVE_SPLICE,
-                 buffers: BufferPool | None = None, on_progress: Callable[[int, int], None] | None = None):
+                 buffers: BufferPool | None = None, on_progress: Callable[[int, int], None] | None = None,
+                 replace_held: bool = False):
+        """`replace_held`: a version already landed in `root` under another manifest is removed and this one
+        fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error."""
         self.manifest, self.version = manifest, manifest.version
+        self.replace_held = replace_held
         self.root = Path(root)
         self.final = self.root / version_dirname(self.version)
         self.partial = disk.partial_dir(self.root, self.version)
@@ -165,9 +169,14 @@ class Download:
             except BlockingIOError:
                 raise FetchError(f"{self.final}: another process is fetching version {self.version} here") from None
             if (self.final / STABLE_FILE).exists():
-                held = disk.held_version(self.final, self.version, self.manifest.sha256)
-                return FetchResult(self.version, self.final, held.total_size, 0, 0, time.monotonic() - t0, {},
-                                   already_present=True)
+                try:
+                    held = disk.held_version(self.final, self.version, self.manifest.sha256)
+                    return FetchResult(self.version, self.final, held.total_size, 0, 0, time.monotonic() - t0, {},
+                                       already_present=True)
+                except FetchError:
+                    if not self.replace_held:
+                        raise
+                    disk.discard(self.final)
             if self.final.exists():
                 shutil.rmtree(self.final)  # a leftover without STABLE is incomplete
             self._direct = self.buffers is not None and self.buffers.claim()

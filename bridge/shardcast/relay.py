@@ -13,24 +13,36 @@ marker before serving it, and deletes one that no longer matches its manifest, t
 relay never serves bytes it has not verified, and the one fsync per hop that remains on the critical path is
 the worker's own (before its STABLE). Measured: 512 MiB origin -> 2 relays -> 1 client took 1.58 s with the
 relays syncing before they advertise and 1.28 s without any fsync.
+
+Pinning (`pin_url`, the orchestrator): a relay mirrors a version only under the manifest sha256 the learner
+announced for it (`GET /v1/policy`'s `manifests`), so an upstream that offers another manifest is passed
+over; it waits for the announcement (polling every `PIN_POLL_S`), mirrors a version announced without a
+sha256 unpinned (with a warning), and skips one that has already left the async window.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
+import re
 import shutil
 import threading
+import time
+import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from bridge.shardcast import disk
 from bridge.shardcast.client import ShardcastClient
 from bridge.shardcast.errors import ManifestError, ShardcastError, WaitTimeout
 from bridge.shardcast.manifest import Manifest, parse_manifest, read_version_dir
-from bridge.shardcast.names import MANIFEST_FILE, STABLE_FILE, parse_version_dirname, version_dirname
+from bridge.shardcast.names import (
+    MANIFEST_FILE, STABLE_FILE, check_version, parse_version, parse_version_dirname, version_dirname,
+)
 from bridge.shardcast.server import ServerLimits, ShardcastServer
 from bridge.shardcast.store import VersionStore
 
@@ -38,7 +50,41 @@ log = logging.getLogger("shardcast.relay")
 
 SYNCED_FILE = ".synced"  # a version directory flushed to disk (never a manifest name: those cannot start with '.')
 SYNC_DELAY_S = 5.0
+PIN_POLL_S = 0.2
+PIN_WAIT_S = 30.0
+MAX_POLICY_BYTES = 1 << 20
 _HASH_BLOCK = 8 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class AnnouncedPolicy:
+    """What a relay needs of the orchestrator's policy: the current version, the window's oldest, and the
+    announced manifest sha256 by version."""
+
+    version: int
+    min_version: int
+    manifests: dict[int, str]
+
+
+def orchestrator_policy(url: str, timeout: float = 10.0) -> AnnouncedPolicy:
+    """`GET {url}/v1/policy` (public), validated; OSError or ValueError when it cannot be had."""
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/policy", timeout=timeout) as resp:
+        raw = resp.read(MAX_POLICY_BYTES + 1)
+    if len(raw) > MAX_POLICY_BYTES:
+        raise ValueError(f"{url}/v1/policy: answer over {MAX_POLICY_BYTES} bytes")
+    doc = json.loads(raw)
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifests", {}), dict):
+        raise ValueError(f"{url}/v1/policy: not a policy")
+    try:
+        version = check_version(doc.get("version"), "policy version")
+        min_version = check_version(doc.get("min_version"), "policy min_version")
+        manifests = {parse_version(k, "a manifests key"): v for k, v in doc.get("manifests", {}).items()}
+    except (ShardcastError, TypeError) as e:
+        raise ValueError(f"{url}/v1/policy: {e}") from None
+    if not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in manifests.values()):
+        raise ValueError(f"{url}/v1/policy: a manifest sha256 is not 64 lower-case hex digits")
+    return AnnouncedPolicy(version, min_version, manifests)
 
 
 def sync_version(path: Path) -> None:
@@ -88,7 +134,7 @@ def _leftovers(root: Path, superseded: int | None) -> None:
     `superseded` (the newest landed version); newer partial fetches stay, to be resumed."""
     for path in root.iterdir():
         name = path.name
-        if name.startswith(".v") and ".deleting-" in name:
+        if name.startswith(".v") and (".deleting-" in name or ".replaced-" in name):
             shutil.rmtree(path, ignore_errors=True)
         elif name.startswith(".") and name.endswith(".partial") and superseded is not None:
             version = parse_version_dirname(name[1:-len(".partial")])
@@ -102,11 +148,16 @@ class Mirror:
 
     def __init__(self, client: ShardcastClient, root: Path, keep: int, newest: int | None,
                  on_landed: Callable[[int, Manifest], None], stop: threading.Event, durable: bool = True,
-                 sync_delay_s: float = SYNC_DELAY_S):
+                 sync_delay_s: float = SYNC_DELAY_S, pins: Callable[[], AnnouncedPolicy] | None = None,
+                 pin_wait_s: float = PIN_WAIT_S):
+        """`pins`: the announced policy (None: mirror what the upstreams offer, trusting their manifests)."""
         self.client, self.root, self.keep, self.newest = client, root, keep, newest
         self.on_landed, self.stop = on_landed, stop
         self.durable, self.sync_delay_s = durable, sync_delay_s
+        self.pins, self.pin_wait_s = pins, pin_wait_s
+        self.skipped: set[int] = set()  # versions that left the window before they were announced to us
         self._reported: str | None = None
+        self._pins_reported: str | None = None
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -117,16 +168,59 @@ class Mirror:
                 continue
             self._report(None)
             offered = {v for vs in self.client.versions().values() for v in vs}
-            wanted = sorted({v for v in offered | {latest} if self.newest is None or v > self.newest})[-self.keep:]
+            wanted = sorted({v for v in offered | {latest} if (self.newest is None or v > self.newest)
+                             and v not in self.skipped})[-self.keep:]
+            if not wanted:  # only skipped versions are new: wait for another
+                self.stop.wait(1.0)
             for version in reversed(wanted):
                 if self.stop.is_set():
                     return
-                self._mirror(version)
+                go, pin = self._pin(version)
+                if go:
+                    self._mirror(version, pin)
             _leftovers(self.root, self.newest)
 
-    def _mirror(self, version: int) -> None:
+    def _pin(self, version: int) -> tuple[bool, str | None]:
+        """(mirror it now, the manifest sha256 to pin), waiting up to `pin_wait_s` for the announcement."""
+        if self.pins is None:
+            return True, None
+        deadline = time.monotonic() + self.pin_wait_s
+        while not self.stop.is_set():
+            try:
+                policy = self.pins()
+                self._report_pins(None)
+            except (OSError, ValueError) as e:
+                self._report_pins(str(e))
+            else:
+                if version in policy.manifests:
+                    return True, policy.manifests[version]
+                if policy.version >= version:
+                    if version < policy.min_version:
+                        log.info("%s left the async window unannounced to this relay: not mirrored",
+                                 version_dirname(version))
+                        self.skipped.add(version)
+                        return False, None
+                    log.warning("%s was announced without a manifest sha256: mirrored unpinned",
+                                version_dirname(version))
+                    return True, None
+            if time.monotonic() >= deadline:
+                log.warning("%s is offered upstream but the orchestrator has not announced it within %.0f s: "
+                            "not mirrored yet", version_dirname(version), self.pin_wait_s)
+                return False, None
+            self.stop.wait(PIN_POLL_S)
+        return False, None
+
+    def _report_pins(self, problem: str | None) -> None:
+        if problem != self._pins_reported:
+            if problem:
+                log.warning("cannot read the announced manifests from the orchestrator: %s", problem)
+            elif self._pins_reported:
+                log.info("the orchestrator answers again")
+            self._pins_reported = problem
+
+    def _mirror(self, version: int, pin: str | None = None) -> None:
         try:
-            result = self.client.fetch(version, self.root)
+            result = self.client.fetch(version, self.root, manifest_sha256=pin)
             raw = (result.path / MANIFEST_FILE).read_bytes()
             manifest = parse_manifest(raw, str(result.path / MANIFEST_FILE), version=version)
         except (ShardcastError, OSError) as e:
@@ -159,8 +253,10 @@ async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port
                       ready: Callable[[str], None], grace_s: float = 60.0, timeout: float = 30.0,
                       patience: float = 300.0, parallel: int = 0, part_bytes: int = 64 << 20,
                       max_version_bytes: int | None = None, fsync: bool = True,
-                      limits: ServerLimits = ServerLimits(), test_fault: str | None = None) -> None:
-    """Mirror and serve until cancelled; `ready(url)` is called once the port is bound."""
+                      limits: ServerLimits = ServerLimits(), test_fault: str | None = None,
+                      pin_url: str | None = None) -> None:
+    """Mirror and serve until cancelled; `ready(url)` is called once the port is bound. `pin_url`: the
+    orchestrator whose announced manifest sha256s the mirror pins (None: trust the upstreams' manifests)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
@@ -177,8 +273,9 @@ async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port
     ready(await server.start())
     loop = asyncio.get_running_loop()
     stop = threading.Event()
+    pins = None if pin_url is None else (lambda: orchestrator_policy(pin_url, timeout))
     mirror = Mirror(client, root, keep, store.latest,
-                    lambda v, m: loop.call_soon_threadsafe(store.add, v, m), stop, durable=fsync)
+                    lambda v, m: loop.call_soon_threadsafe(store.add, v, m), stop, durable=fsync, pins=pins)
     thread = threading.Thread(target=mirror.run, name="shardcast-mirror", daemon=True)
     thread.start()
     try:

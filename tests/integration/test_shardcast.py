@@ -143,8 +143,10 @@ class Cluster:
         return self.server("origin", "--dir", str(weights), "--port", "0", *args, name=name)[0]
 
     def relay(self, upstream: str, *args: str, name: str, port: int = 0) -> tuple[str, Proc]:
+        """A relay; without `--orchestrator` in `args` it trusts its upstreams' manifests (no orchestrator here)."""
+        pinning = () if "--orchestrator" in args else ("--shardcast.pin_manifests", "false")
         return self.server("relay", "--upstream", upstream, "--dir", str(self.tmp / name), "--port", str(port),
-                           *args, name=name)
+                           *pinning, *args, name=name)
 
     def fetch(self, servers: str, out: Path, *args: str, name: str) -> Proc:
         return self.start("fetch", "--servers", servers, "--out", str(out), "--json", *args, name=name)
