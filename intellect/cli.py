@@ -61,6 +61,8 @@ COMMANDS = (
     Command("make-tiny-model", "write a tiny offline Hugging Face model for tests and demos",
             module="intellect.tiny_model"),
     Command("parity", "check that JAX, transformers and vLLM agree on a checkpoint", module="intellect.parity"),
+    Command("plan", "the learner's memory per device, from the compiled step (nothing allocated)",
+            module="intellect.plan_cli", takes_config=True),
 )
 _BY_NAME = {cmd.name: cmd for cmd in COMMANDS}
 

@@ -19,6 +19,7 @@ over `data` x `fsdp` along its rows. The state is donated, so the step updates i
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -33,6 +34,7 @@ from jax_trainer.packing import PackedBatch
 from jax_trainer.sharding import logical_to_spec, param_shardings
 
 BATCH_KEYS = PackedBatch.ARRAYS
+log = logging.getLogger("jax_trainer.train_step")
 
 
 @struct.dataclass
@@ -77,7 +79,8 @@ class GRPOTrainer:
         self.ref_params = nnx.split(reference)[1] if reference is not None else None
         if loss.kl_coef and self.ref_params is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
-        self._step = None
+        self._compiled: dict[tuple[int, ...], Any] = {}  # batch shape -> compiled step
+        self.plan = None  # the memory plan of the last compiled step (jax_trainer.plan)
 
     # ---- state -------------------------------------------------------------------------------------------
     def init_state(self, params) -> TrainState:
@@ -192,14 +195,33 @@ class GRPOTrainer:
         new_state = TrainState(params=params, opt_state=opt_state, step=state.step + k, skipped=skipped)
         return new_state, metrics
 
+    def jitted_step(self, state, batch):
+        """The jitted step for a state and batch (concrete arrays or `jax.ShapeDtypeStruct`s with shardings)."""
+        shardings = self.state_shardings(state)
+        batch_sh = {key: v.sharding for key, v in batch.items()}
+        ref_sh = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
+        return jax.jit(self._step_fn, in_shardings=(shardings, batch_sh, ref_sh), out_shardings=(shardings, None),
+                       donate_argnums=(0,))
+
+    def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and shardings of a packed batch (`jax_trainer.packing`), without memory."""
+        shape = (micro_batches, rows, seq_len)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in ("tokens", "positions", "segment_ids")
+                                        else jnp.float32, sharding=self.batch_sharding(shape)) for k in BATCH_KEYS}
+
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        if self._step is None:
-            shardings = self.state_shardings(state)
-            batch_sh = {key: v.sharding for key, v in batch.items()}
-            ref_sh = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
-            self._step = jax.jit(self._step_fn, in_shardings=(shardings, batch_sh, ref_sh),
-                                 out_shardings=(shardings, None), donate_argnums=(0,))
-        return self._step(state, batch, self.ref_params)
+        """One step; the first of each batch shape compiles it ahead of time and logs its memory plan."""
+        shape = batch["tokens"].shape
+        compiled = self._compiled.get(shape)
+        if compiled is None:
+            from jax_trainer.plan import plan_of
+
+            compiled = self.jitted_step(state, batch).lower(state, batch, self.ref_params).compile()
+            self._compiled[shape] = compiled
+            self.plan = plan_of(compiled, self.mesh, state, batch)
+            for line in self.plan.lines():
+                log.info("%s", line)
+        return compiled(state, batch, self.ref_params)
 
 
 def _summarise(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:

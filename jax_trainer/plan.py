@@ -1,0 +1,110 @@
+"""The learner's memory plan: per-device bytes of one train step, from XLA's analysis of the compiled step.
+
+`plan_step(trainer, micro_batches, rows, seq_len)` lowers and compiles the very step `GRPOTrainer.step` runs,
+on abstract arrays (`jax.ShapeDtypeStruct`s carrying their shardings: nothing is allocated), and reads the
+compiled executable's memory analysis. Per device:
+
+- parameters and optimizer state: the bytes of each array's shard on that device (the state is donated, so
+  the new state reuses these buffers);
+- batch: the packed micro-batches' shard;
+- temporaries: XLA's temporary buffers of the whole step (gradient accumulators, activations of the
+  micro-batch being processed, recomputed activations under remat, logits chunks, optimizer update);
+- peak: arguments + temporaries + outputs not aliased to an argument, XLA's own estimate of the step's
+  footprint.
+
+The largest models compile slowly on one host (every layer is its own HLO), so `plan_step` can compile two
+shallow copies of the model (`layers` and 2 x `layers` deep) and extrapolate each figure linearly in depth:
+`extrapolate_layers` does that and says so in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device bytes of one train step."""
+
+    devices: int
+    mesh: dict[str, int]
+    params: int
+    opt_state: int
+    batch: int
+    temporaries: int
+    outputs_not_aliased: int
+    peak: int
+    note: str = ""
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.peak <= device_bytes
+
+    def lines(self, device_bytes: int | None = None) -> list[str]:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
+        out = [f"memory plan per device ({self.devices} device{'s' if self.devices > 1 else ''}: {mesh})"
+               f"{' ' + self.note if self.note else ''}:",
+               f"  parameters        {_size(self.params)}",
+               f"  optimizer state   {_size(self.opt_state)}",
+               f"  batch             {_size(self.batch)}",
+               f"  step temporaries  {_size(self.temporaries)}  (gradients, activations, updates)",
+               f"  peak              {_size(self.peak)}"]
+        if device_bytes:
+            verdict = "fits" if self.fits(device_bytes) else "DOES NOT FIT"
+            out.append(f"  {verdict} in {_size(device_bytes).strip()} per device "
+                       f"({100 * self.peak / device_bytes:.0f}% used)")
+        return out
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:9.2f} GiB" if n >= 2**30 else f"{n / 2**20:9.1f} MiB"
+
+
+def _shard_bytes(tree) -> int:
+    """Bytes of one device's shards of the arrays (ShapeDtypeStructs with shardings) in `tree`."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+def plan_step(trainer, micro_batches: int, rows: int, seq_len: int) -> MemoryPlan:
+    """The memory plan of `trainer`'s step on batches of [micro_batches, rows, seq_len] (nothing allocated; a
+    trainer with a KL reference gets an abstract one in its place, so use a trainer built for planning)."""
+    state = trainer.abstract_state()
+    batch = trainer.abstract_batch(micro_batches, rows, seq_len)
+    reference = None
+    if trainer.ref_params is not None:  # the KL reference: the same shapes and shardings as the parameters
+        trainer.ref_params = reference = state.params
+    compiled = trainer.jitted_step(state, batch).lower(state, batch, reference).compile()
+    return plan_of(compiled, trainer.mesh, state, batch)
+
+
+def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
+    """The plan of an already compiled step (`GRPOTrainer.step` logs it when it compiles)."""
+    analysis = compiled.memory_analysis()
+    arguments = analysis.argument_size_in_bytes
+    outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+    temporaries = analysis.temp_size_in_bytes
+    return MemoryPlan(devices=mesh.size, mesh=dict(mesh.shape), params=_shard_bytes(state.params),
+                      opt_state=_shard_bytes(state.opt_state), batch=_shard_bytes(batch), temporaries=temporaries,
+                      outputs_not_aliased=outputs, peak=arguments + temporaries + outputs)
+
+
+def extrapolate_layers(shallow: MemoryPlan, deeper: MemoryPlan, layers: int, shallow_layers: int,
+                       deeper_layers: int) -> MemoryPlan:
+    """Each figure of a `layers`-deep model, linear in depth through two plans of shallower copies."""
+    def at(a: int, b: int) -> int:
+        per_layer = (b - a) / (deeper_layers - shallow_layers)
+        return int(round(a + per_layer * (layers - shallow_layers)))
+
+    return MemoryPlan(
+        devices=shallow.devices, mesh=shallow.mesh, params=at(shallow.params, deeper.params),
+        opt_state=at(shallow.opt_state, deeper.opt_state), batch=shallow.batch,
+        temporaries=at(shallow.temporaries, deeper.temporaries),
+        outputs_not_aliased=at(shallow.outputs_not_aliased, deeper.outputs_not_aliased),
+        peak=at(shallow.peak, deeper.peak),
+        note=f"[{layers} layers, extrapolated from compiled {shallow_layers}- and {deeper_layers}-layer copies]")
