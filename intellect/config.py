@@ -224,6 +224,8 @@ class DataConfig(Section):
     """Held-out tasks scored by `intellect eval` (0: none held out)."""
     system_prompt: str | None = None
     """System message put before every prompt by the chat template (None: no system message)."""
+    allow_unsandboxed_code: bool = False
+    """Run code rewards' programs without the bubblewrap sandbox where none can be made (trusted pools only)."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

@@ -64,9 +64,14 @@ def run(args: argparse.Namespace) -> int:
     from gpu_workers.checks import stop_token_ids
     from gpu_workers.engine import Engine, EngineSettings
     from gpu_workers.evaluate import evaluate, model_version
+    from gpu_workers.rewards import code
     from intellect.tasks_setup import heldout_tasks
 
     tasks = heldout_tasks(cfg.data)
+    try:
+        code.prepare(tasks, cfg.data.allow_unsandboxed_code)
+    except code.SandboxUnavailable as exc:
+        return _fail(str(exc))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     version = model_version(args.model_dir)
     t0 = time.perf_counter()

@@ -8,6 +8,7 @@ parameters of `[worker]` (temperature, top_p, max tokens), the TOPLOC thresholds
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from intellect.worker_cli import client_servers, max_tokens, node_dir, setup_logging, store_location
@@ -25,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gpu_workers.checks import Declared
     from gpu_workers.node import NodeBanned, NodeRefused
+    from gpu_workers.rewards import code
     from gpu_workers.toploc import Thresholds
     from gpu_workers.validator import Validator, ValidatorSettings
     from intellect.tasks_setup import training_tasks
@@ -44,8 +46,14 @@ def run(args: argparse.Namespace) -> int:
         servers=client_servers(cfg), dtype=v.dtype, cache_versions=v.cache_versions, lease_s=v.lease_s,
         health_file=v.health_file, fetch_timeout_s=cfg.shardcast.timeout_s,
         fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)
+    tasks = training_tasks(d)
     try:
-        return Validator(settings, training_tasks(d)).run()
+        code.prepare(tasks, d.allow_unsandboxed_code)
+    except code.SandboxUnavailable as err:
+        print(f"intellect validator: {err}", file=sys.stderr)
+        return 2
+    try:
+        return Validator(settings, tasks).run()
     except (NodeBanned, NodeRefused) as err:
         print(f"intellect validator: {err}")
         return 3

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 
@@ -52,12 +53,21 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.worker.kv_cache_gib))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the TOPLOC capture hooks the model in process
 
-    from gpu_workers.engine import EngineSettings
-    from gpu_workers.node import NodeBanned, NodeRefused
-    from gpu_workers.worker import Sampling, Worker, WorkerSettings
+    from gpu_workers.rewards import code
     from intellect.tasks_setup import training_tasks
 
     w, d = cfg.worker, cfg.data
+    tasks = training_tasks(d)
+    try:  # before anything heavy: a node that cannot run its tasks' rewards safely says so at once
+        code.prepare(tasks, d.allow_unsandboxed_code)
+    except code.SandboxUnavailable as err:
+        print(f"intellect worker: {err}", file=sys.stderr)
+        return 2
+
+    from gpu_workers.engine import EngineSettings
+    from gpu_workers.node import NodeBanned, NodeRefused
+    from gpu_workers.worker import Sampling, Worker, WorkerSettings
+
     key_path = w.key_path or cfg.run.keys_dir / "worker.key"
     settings = WorkerSettings(
         orchestrator_url=w.orchestrator_url, key_path=key_path,
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         fetch_timeout_s=cfg.shardcast.timeout_s, fetch_patience_s=cfg.shardcast.patience_s,
         fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)
     try:
-        return Worker(settings, training_tasks(d)).run()
+        return Worker(settings, tasks).run()
     except (NodeBanned, NodeRefused) as err:
         print(f"intellect worker: {err}")
         return 3

@@ -78,7 +78,18 @@ def test_exact_reward_reads_the_final_line():
     assert score(task, "cba\nor maybe abc").value == 0.0
 
 
-def test_code_reward_runs_tests_in_a_limited_subprocess():
+@pytest.fixture
+def code_runs():
+    """Code rewards run here: sandboxed, or (where no sandbox can be made) by the operator's opt-in, whose limits
+    are the same; tests/unit/test_code_sandbox.py covers the sandbox itself."""
+    from gpu_workers.rewards import code
+
+    code.allow_unsandboxed(code.sandbox_status() is not None)
+    yield
+    code.allow_unsandboxed(False)
+
+
+def test_code_reward_runs_tests_in_a_limited_subprocess(code_runs):
     tests = [{"input": "3 4\n", "output": "7"}, {"input": "10 -2\n", "output": "8"}]
     task = Task(prompt="add", reward="code", tests=tests)
     good = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
