@@ -59,10 +59,10 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class AnnouncedPolicy:
-    """What a relay needs of the orchestrator's policy: the current version, the window's oldest, and the
-    announced manifest sha256 by version."""
+    """What a relay needs of the orchestrator's policy: the current version (None before the learner announced
+    any), the window's oldest, and the announced manifest sha256 by version."""
 
-    version: int
+    version: int | None
     min_version: int
     manifests: dict[int, str]
 
@@ -84,7 +84,7 @@ def orchestrator_policy(url: str, timeout: float = 10.0) -> AnnouncedPolicy:
         raise ValueError(f"{url}/v1/policy: {e}") from None
     if not all(isinstance(v, str) and _SHA256.fullmatch(v) for v in manifests.values()):
         raise ValueError(f"{url}/v1/policy: a manifest sha256 is not 64 lower-case hex digits")
-    return AnnouncedPolicy(version, min_version, manifests)
+    return AnnouncedPolicy(version if doc.get("announced_at") is not None else None, min_version, manifests)
 
 
 def sync_version(path: Path) -> None:
@@ -194,7 +194,7 @@ class Mirror:
             else:
                 if version in policy.manifests:
                     return True, policy.manifests[version]
-                if policy.version >= version:
+                if policy.version is not None and policy.version >= version:
                     if version < policy.min_version:
                         log.info("%s left the async window unannounced to this relay: not mirrored",
                                  version_dirname(version))

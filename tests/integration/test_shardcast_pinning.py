@@ -110,7 +110,7 @@ class FakePolicy:
     """`GET /v1/policy` as the orchestrator answers it, with the announced version settable by the test."""
 
     def __init__(self):
-        self.doc = {"version": 0, "min_version": 0, "manifests": {}}
+        self.doc = {"version": 0, "min_version": 0, "manifests": {}, "announced_at": None}  # nothing announced
         self.requests = 0
         outer = self
 
@@ -145,7 +145,7 @@ def test_relays_wait_for_the_announcement_and_mirror_only_the_pinned_manifest(se
                   for i in range(3)]
         wait_until(lambda: orchestrator.requests >= 3, 20, "the relays to ask the orchestrator")
         assert all(get_json(f"{url}/versions")["versions"] == [] for url, _ in relays)  # v1 is not announced yet
-        orchestrator.doc = {"version": 1, "min_version": 0, "manifests": {"1": pin}}
+        orchestrator.doc = {"version": 1, "min_version": 0, "manifests": {"1": pin}, "announced_at": 1.0}
         for i, (url, proc) in enumerate(relays):
             wait_until(lambda: get_json(f"{url}/versions")["latest"] == 1, 30, f"relay{i} to mirror v1")
             assert_landed(tmp_path / f"relay{i}", 1, honest_files, weights)
@@ -210,3 +210,25 @@ def test_a_validator_judges_with_the_pinned_weights_only(tmp_path, tiny_model):
         assert_landed(tmp_path / "weights", 0, real, tmp_path / "honest")
     finally:
         cluster.close()
+
+
+def test_a_relay_pins_waits_skips_or_goes_unpinned_as_the_announcement_says():
+    from bridge.shardcast.relay import AnnouncedPolicy, Mirror
+
+    state = {"policy": AnnouncedPolicy(None, 0, {})}  # the orchestrator before the learner announced anything
+
+    def pins():
+        if isinstance(state["policy"], Exception):
+            raise state["policy"]
+        return state["policy"]
+
+    mirror = Mirror(None, Path("/nonexistent"), 3, None, lambda v, m: None, threading.Event(), pins=pins,
+                    pin_wait_s=0.3)
+    assert mirror._pin(0) == (False, None)  # v0 is offered before its announcement: wait, do not mirror unpinned
+    state["policy"] = AnnouncedPolicy(0, 0, {0: "a" * 64})
+    assert mirror._pin(0) == (True, "a" * 64)
+    state["policy"] = AnnouncedPolicy(5, 4, {4: "b" * 64})
+    assert mirror._pin(5) == (True, None)  # announced without a sha256 (an older learner): unpinned
+    assert mirror._pin(2) == (False, None) and mirror.skipped == {2}  # left the window unannounced to us
+    state["policy"] = OSError("connection refused")
+    assert mirror._pin(6) == (False, None)  # the orchestrator unreachable: not mirrored yet
