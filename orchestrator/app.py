@@ -33,15 +33,16 @@ from sqlalchemy.orm import sessionmaker
 from bridge.protocol import (BATCH_ID_PATTERN, HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT,
                              PROTOCOL_VERSION, Assignment, BanRequest, BatchAnnouncement, BatchList, BatchStatus,
                              ClaimRequest, ClaimResponse, Health, HeartbeatRequest, Ledger, NodeInfo, NodeList,
-                             PolicyAnnouncement, PolicyInfo, PoolRequirements, RegisterRequest, RegisterResponse,
-                             Verdict, solve_challenge)
+                             PolicyAnnouncement, PolicyInfo, PoolRequirements, PublicBatchList, RegisterRequest,
+                             RegisterResponse, Verdict, solve_challenge)
 from intellect.config import Config
 from orchestrator import dashboard
-from orchestrator.auth import Authenticator, RateLimiter
+from orchestrator.auth import Authenticator, RateLimiter, start_run, stop_run
 from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
 from orchestrator.durability import WalSync
 from orchestrator.fast_lane import NODE_ROUTES, NodeRoute, fast_lane, read_body, replaying
-from orchestrator.guards import BodyError, decode_json, is_json_content_type, json_error, validation_errors
+from orchestrator.guards import (BodyError, address_group, decode_json, is_json_content_type, json_error,
+                                 validation_errors)
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.metrics import Metrics
 from orchestrator.nodes import LiveNode, NodeRegistry
@@ -68,7 +69,7 @@ class Orchestrator:
         self.db = sessionmaker(self.engine, expire_on_commit=False)
         self.wal = WalSync(self.engine.url.database, self.engine) if self.engine.dialect.name == "sqlite" else None
         self.requirements = PoolRequirements(min_gpus=oc.min_gpus, min_gpu_memory_gib=oc.min_gpu_memory_gib,
-                                             allow_cpu_nodes=oc.allow_cpu_nodes, challenge_size=oc.challenge_size,
+                                             allow_cpu_nodes=oc.allow_cpu_nodes, challenge_size=oc.challenge_side(),
                                              heartbeat_interval_s=oc.heartbeat_interval_s)
         self.registry = NodeRegistry(self.db, self.requirements, oc.unhealthy_after_s, oc.dead_after_s,
                                      oc.challenge_timeout_s, clock, validator_keys=oc.validator_keys)
@@ -81,14 +82,25 @@ class Orchestrator:
             prompts_per_assignment=oc.prompts_per_assignment, samples_per_prompt=cfg.data.samples_per_prompt,
             max_inflight_per_node=oc.max_inflight_per_node, num_tasks=oc.num_tasks, claim_lease_s=oc.claim_lease_s,
             ban_after_rejections=oc.ban_after_rejections, rejection_window_s=oc.rejection_window_s,
-            default_relays=relays, clock=clock)
+            default_relays=relays, clock=clock, deadline_s=oc.deadline_s(cfg.worker.max_tokens or cfg.data.max_new_tokens),
+            unproven_share=oc.unproven_share)
         self.auth = Authenticator(oc.max_clock_skew_s, oc.admin_token, clock)
+        self.run_id, self.auth.refuse_up_to = start_run(self.db, self.auth.nonces, clock(), oc.max_clock_skew_s)
+        if self.wal is not None:  # the start is on disk before any request: a crash from now on is seen as one
+            self.wal._fsync()
+        if self.auth.refuse_up_to:
+            log.warning("the last run of this database did not stop cleanly: signed requests stamped before %.3f "
+                        "(start + max_clock_skew_s) are answered 503, as they may be replays", self.auth.refuse_up_to)
         self.limiter = RateLimiter(oc.submit_rate_per_min, oc.submit_burst, clock)
+        self.register_limiter = RateLimiter(oc.register_rate_per_min, oc.register_burst, clock,
+                                            what="registrations from one address")
+        self.pages = PageCache(oc.public_cache_s)
+        self.page_size = oc.page_size
         self.metrics = Metrics(self)
         self.max_body_bytes = oc.max_body_bytes
         self.heartbeat_interval_s = oc.heartbeat_interval_s
         self.sweep_interval_s = min(1.0, oc.heartbeat_interval_s / 2)
-        self.started = clock()
+        self.started = self._pruned = clock()
         self._policy_json: tuple[PolicyInfo | None, bytes] = (None, b"")
         self._interval_json = TypeAdapter(float).dump_json(self.heartbeat_interval_s)
 
@@ -102,13 +114,22 @@ class Orchestrator:
 
     def sweep(self, flush: bool = False) -> None:
         """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
-        now), and forgetting expired nonces."""
+        now), assignments past their deadline (scheduler.py), and forgetting expired nonces."""
         for key in self.registry.sweep(flush):
             log.warning("node %s... is dead; its open assignments are released", key[:16])
+        for key, wid in self.scheduler.expire():
+            log.warning("assignment %d of node %s... expired (%g s deadline): handed out again, a strike against "
+                        "the node", wid, key[:16], self.scheduler.deadline_s)
         self.auth.nonces.prune(self.clock())
+        if self.clock() - self._pruned >= 60:
+            self.limiter.prune()
+            self.register_limiter.prune()
+            self._pruned = self.clock()
 
     def close(self) -> None:
+        """A clean stop: heartbeat times and the unexpired nonces written (a restart refuses their replays)."""
         self.sweep(flush=True)
+        stop_run(self.db, self.auth.nonces, self.run_id, self.clock())
         self.engine.dispose()
 
 
@@ -274,9 +295,16 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
     async def get_policy() -> PolicyInfo:
         return svc.scheduler.policy
 
-    @app.post("/v1/nodes/register", response_model=RegisterResponse, responses=_ERRORS, tags=["nodes"],
-              openapi_extra=_SIGNED_ROUTE)
+    def registration_rate(request: Request) -> None:
+        client = request.scope.get("client")
+        svc.register_limiter.take(address_group(client[0]) if client else "")
+
+    @app.post("/v1/nodes/register", response_model=RegisterResponse, dependencies=[Depends(registration_rate)],
+              responses={**_ERRORS, 429: {"description": "too many registrations from this address"}},
+              tags=["nodes"], openapi_extra=_SIGNED_ROUTE)
     async def register(body: RegisterRequest, key: Annotated[str, Depends(new_node)]) -> Response:
+        """Admission. Limited per client address (orchestrator.register_rate_per_min, checked before the
+        signature); an answered challenge is checked in a thread."""
         solved = None
         seed = svc.registry.pending_challenge(key) if body.challenge_answer is not None else None
         if seed is not None:
@@ -299,15 +327,18 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node[0]])[0])
 
-    @app.get("/v1/batches", response_model=BatchList, responses=_ERRORS, tags=["work"],
+    @app.get("/v1/batches", response_model=BatchList | PublicBatchList, responses=_ERRORS, tags=["work"],
              openapi_extra=_LEARNER_OPTIONAL)
     async def list_batches(learner: Annotated[bool, Depends(maybe_learner)], status: BatchStatus = "accepted",
                            min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
                            after: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
                            limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
-        """Batches by status; with the admin token (the learner) accepted batches count as delivered."""
+        """Batches by status. With the admin token (the learner) every field (BatchList), and accepted batches
+        count as delivered; without it only the public fields (PublicBatchList: no store path, digest,
+        validator, rewards or reasons)."""
         records, cursor = svc.scheduler.batches(status, min_version, after, limit, learner)
-        return _reply(BatchList(batches=records, next_after=cursor))
+        return _json(json.dumps({"batches": records, "next_after": cursor}, separators=(",", ":"),
+                                allow_nan=False).encode())
 
     @app.post("/v1/policy", response_model=PolicyInfo, responses={**_ERRORS, 409: {"description": "older version"}},
               dependencies=[Depends(admin)], tags=["admin"], openapi_extra=_ADMIN_ROUTE)
@@ -316,9 +347,12 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
 
     @app.get("/v1/nodes", response_model=NodeList, responses=_ERRORS, dependencies=[Depends(admin)], tags=["admin"],
              openapi_extra=_ADMIN_ROUTE)
-    async def list_nodes() -> Response:
+    async def list_nodes(after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+                         limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> Response:
+        """A page of nodes in key order; `next_after` names the next page's `after`."""
         with svc.db() as s:
-            return _reply(NodeList(nodes=svc.registry.info(s)))
+            nodes = svc.registry.info(s, after=after, limit=limit)
+        return _reply(NodeList(nodes=nodes, next_after=nodes[-1].key if len(nodes) == limit else None))
 
     @app.post("/v1/nodes/{node_key}/ban", response_model=NodeInfo,
               responses={**_ERRORS, 404: {"description": "unknown node"}}, dependencies=[Depends(admin)],
@@ -331,23 +365,39 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
 
     @app.get("/v1/ledger", response_model=Ledger, tags=["public"],
              responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}})
-    async def ledger(format: Literal["json", "csv"] = "json") -> Response:
-        with svc.db() as s:
-            data = build_ledger(s, svc.registry, svc.clock())
-        if format == "csv":
-            return PlainTextResponse(ledger_csv(data), media_type="text/csv")
-        return _reply(data)
+    async def ledger(format: Literal["json", "csv"] = "json",
+                     after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+                     limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> Response:
+        """A page of the ledger in node-key order (`next_after`, or the X-Next-After header of the CSV, names
+        the next page's `after`). Answers are reused for orchestrator.public_cache_s."""
+
+        def render() -> Response:
+            with svc.db() as s:
+                data = build_ledger(s, svc.registry, svc.clock(), after, limit)
+            headers = {"X-Next-After": data.next_after} if data.next_after else {}
+            if format == "csv":
+                return PlainTextResponse(ledger_csv(data), media_type="text/csv", headers=headers)
+            return Response(data.model_dump_json(), media_type="application/json", headers=headers)
+
+        return svc.pages.get(("ledger", format, after, limit), render)
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["public"])
     async def metrics() -> Response:
         return Response(svc.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse, tags=["public"])
-    async def index() -> HTMLResponse:
-        with svc.db() as s:
-            nodes = svc.registry.info(s)
-            data = build_ledger(s, svc.registry, svc.clock())
-        return HTMLResponse(dashboard.render(svc, svc.scheduler.policy, nodes, data))
+    async def index(after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None) -> Response:
+        """The dashboard: totals, and one page (orchestrator.page_size) of the nodes and the ledger, in key
+        order, after the key `after`. Reused for orchestrator.public_cache_s."""
+
+        def render() -> Response:
+            with svc.db() as s:
+                nodes = svc.registry.info(s, after=after, limit=svc.page_size)
+                data = build_ledger(s, svc.registry, svc.clock(), after, svc.page_size)
+            more = nodes[-1].key if len(nodes) == svc.page_size else None
+            return HTMLResponse(dashboard.render(svc, svc.scheduler.policy, nodes, data, after, more))
+
+        return svc.pages.get(("dashboard", after), render)
 
     app.openapi = functools.partial(_openapi, app)
     by_path = {getattr(r, "path", None): r for r in app.routes if "POST" in getattr(r, "methods", ())}
@@ -391,6 +441,30 @@ def _openapi(app: FastAPI) -> dict:
         schema.setdefault("components", {})["securitySchemes"] = schemes
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+class PageCache:
+    """Answers of the public pages by their query, reused for `ttl_s` seconds (monotonic), at most `size` kept:
+    a flood of page requests costs one rendering per page and period."""
+
+    def __init__(self, ttl_s: float, size: int = 256):
+        self.ttl_s = ttl_s
+        self.size = size
+        self._answers: dict[tuple, tuple[float, Response]] = {}
+
+    def get(self, key: tuple, render: Callable[[], Response]) -> Response:
+        now = time.monotonic()
+        held = self._answers.get(key)
+        if held is not None and now < held[0]:
+            return held[1]
+        answer = render()
+        if self.ttl_s > 0:
+            if len(self._answers) >= self.size:
+                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
+                if len(self._answers) >= self.size:
+                    self._answers.pop(next(iter(self._answers)))
+            self._answers[key] = (now + self.ttl_s, answer)
+        return answer
 
 
 class _Service(FastAPI):

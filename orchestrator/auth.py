@@ -1,12 +1,17 @@
 """Who may call what: signed node requests (DESIGN section 8), the admin bearer token, and the per-node rate
 limit on batch announcements.
 
-A signed request is refused with 401 when a header is missing or malformed, the timestamp is more than
+A signed request is refused with 401 when a header is missing or malformed, the key is weak (a point of small
+order or a non-canonical encoding, `bridge.protocol.weak_public_key`), the timestamp is more than
 `max_clock_skew_s` off the service's clock, the nonce was seen within that window, or the signature does not
 verify; and with 403 when the (authentic) key is unknown or banned, which the caller checks after `verify`.
 
-Replays across a restart: the nonce cache lives in memory, so a request signed before the service started is
-refused ("signed before the service started"); a client re-signs every retry, so it only has to retry.
+Replays across a restart. Nonces are held in memory while the service runs; a clean stop writes the unexpired
+ones to the database (`stop_run`) and the next start reloads them (`start_run`), so a request seen before the
+restart is still refused as replayed. After an unclean stop (a crash, kill -9, power loss: `service_runs` has no
+stop time) the nonces of the last moments are lost, so every request stamped up to start + max_clock_skew_s
+(the newest stamp the old process could have accepted) is answered 503 with Retry-After: a client re-signs
+every retry with a fresh stamp, and gets through within max_clock_skew_s.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import HTTPException, Request
+from sqlalchemy import delete, insert, select, update
+from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.protocol import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature
+from bridge.protocol import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature,
+                             weak_public_key)
+from orchestrator.db import SeenNonce, ServiceRun
 
 _KEY = re.compile(r"[0-9a-f]{64}")
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
@@ -59,14 +68,45 @@ class NonceCache:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def entries(self) -> list[tuple[float, str]]:
+        """(expiry, nonce) of every nonce held, in the order they were added."""
+        return list(self._order)
+
+
+def start_run(db: sessionmaker[Session], nonces: NonceCache, now: float, max_skew_s: float) -> tuple[int, float]:
+    """Record this start: (its run id, the newest timestamp to refuse). After a clean stop the nonces it saved go
+    back into `nonces` (nothing is refused); after an unclean one, stamps up to now + max_skew_s are refused."""
+    with db.begin() as s:
+        last = s.scalars(select(ServiceRun).order_by(ServiceRun.id.desc()).limit(1)).first()
+        refuse_up_to = now + max_skew_s if last is not None and last.stopped_at is None else 0.0
+        if not refuse_up_to:
+            for nonce, expires in s.execute(select(SeenNonce.nonce, SeenNonce.expires)
+                                            .where(SeenNonce.expires > now).order_by(SeenNonce.expires)):
+                nonces.add(nonce, expires)
+        s.execute(delete(SeenNonce))
+        run = ServiceRun(started_at=now)
+        s.add(run)
+        s.flush()
+        return run.id, refuse_up_to
+
+
+def stop_run(db: sessionmaker[Session], nonces: NonceCache, run_id: int, now: float) -> None:
+    """A clean stop: the unexpired nonces and the stop time, in one transaction."""
+    rows = [{"nonce": nonce, "expires": expires} for expires, nonce in nonces.entries() if expires > now]
+    with db.begin() as s:
+        s.execute(delete(SeenNonce))
+        if rows:
+            s.execute(insert(SeenNonce), rows)
+        s.execute(update(ServiceRun).where(ServiceRun.id == run_id).values(stopped_at=now))
+
 
 class Authenticator:
     def __init__(self, max_skew_s: float, admin_token: str | None, clock: Callable[[], float]):
         self.max_skew_s = max_skew_s
         self.admin_token = admin_token
         self.clock = clock
-        self.started = clock()
         self.nonces = NonceCache()
+        self.refuse_up_to = 0.0  # set by start_run after an unclean stop: older stamps may be replays
 
     def verify(self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None,
                signature: str | None) -> str:
@@ -86,13 +126,19 @@ class Authenticator:
                                            (HEADER_SIGNATURE, signature, _SIGNATURE, "128 lowercase hex characters")):
             if not pattern.fullmatch(value):
                 raise unauthorized(f"malformed {name}: expected {what}")
+        weak = weak_public_key(key)
+        if weak is not None:
+            raise unauthorized(f"{HEADER_KEY} is {weak}: use a key made by ed25519 key generation")
         now = self.clock()
         skew = int(stamp) / 1000 - now
         if abs(skew) > self.max_skew_s:
             raise unauthorized(f"{HEADER_TIMESTAMP} is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} "
                                f"the service's clock (at most {self.max_skew_s:g} s allowed): sync the clock")
-        if (int(stamp) + 1) / 1000 < self.started:  # +1: the timestamp is truncated to the millisecond
-            raise unauthorized("request signed before the service started; sign it again")
+        if int(stamp) / 1000 <= self.refuse_up_to:
+            wait = max(1, math.ceil(self.refuse_up_to - now))
+            raise HTTPException(503, "the service restarted after an unclean stop and cannot tell a replay from a "
+                                     f"request stamped before {self.refuse_up_to:.3f}: sign it again in {wait} s",
+                                headers={"Retry-After": str(wait)})
         target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         query = scope["query_string"].decode("latin-1")
         if query:
@@ -131,13 +177,21 @@ class _Bucket:
 
 
 class RateLimiter:
-    """A token bucket per node: `rate_per_min` on average, `burst` at once."""
+    """A token bucket per node (or client address): `rate_per_min` on average, `burst` at once."""
 
-    def __init__(self, rate_per_min: float, burst: int, clock: Callable[[], float]):
+    def __init__(self, rate_per_min: float, burst: int, clock: Callable[[], float], what: str = "batch announcements"):
         self.rate = rate_per_min / 60.0
         self.burst = burst
         self.clock = clock
+        self.what = what
         self._buckets: dict[str, _Bucket] = {}
+
+    def prune(self) -> None:
+        """Forget buckets that have refilled (they would start full anyway): the table holds active keys only."""
+        now = self.clock()
+        full_after = self.burst / self.rate
+        for key in [k for k, b in self._buckets.items() if now - b.updated >= full_after]:
+            del self._buckets[key]
 
     def take(self, key: str) -> None:
         """Spend one token of `key`'s bucket; raises 429 with Retry-After when it is empty."""
@@ -147,7 +201,7 @@ class RateLimiter:
         bucket.updated = now
         if bucket.tokens < 1:
             wait = (1 - bucket.tokens) / self.rate
-            raise HTTPException(429, f"rate limit: at most {self.rate * 60:g} batch announcements per minute "
+            raise HTTPException(429, f"rate limit: at most {self.rate * 60:g} {self.what} per minute "
                                      f"(burst {self.burst}); retry in {wait:.1f} s",
                                 headers={"Retry-After": str(math.ceil(wait))})
         bucket.tokens -= 1

@@ -12,6 +12,11 @@ it. Its `state` is the life of that work:
 
     open --announce--> submitted --verdict--> accepted | rejected
     open --node dead or banned--> lost --announce (the node came back with the batch)--> submitted
+    open --its deadline passed--> expired --announce (late, still in the window)--> submitted
+
+`expired_at` stays set once an assignment expired (a strike against its node, like a rejection, even when
+the batch comes late). `service_runs` records each start and clean stop of the service, and `nonces` the
+nonces a clean stop left unexpired (auth.py: a restart does not reopen old signatures).
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -28,11 +33,11 @@ from sqlalchemy import (JSON, BigInteger, Boolean, Connection, Engine, Float, Fo
                         Text, UniqueConstraint, create_engine, event, inspect, select, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
-OPEN, SUBMITTED, ACCEPTED, REJECTED, LOST = "open", "submitted", "accepted", "rejected", "lost"
+OPEN, SUBMITTED, ACCEPTED, REJECTED, LOST, EXPIRED = "open", "submitted", "accepted", "rejected", "lost", "expired"
 
 
 class SchemaError(RuntimeError):
@@ -79,7 +84,8 @@ class Work(Base):
 
     __tablename__ = "assignments"
     __table_args__ = (UniqueConstraint("node_key", "version", "k"), Index("ix_work_state_version", "state", "version"),
-                      Index("ix_work_node_state", "node_key", "state"))
+                      Index("ix_work_node_state", "node_key", "state"),
+                      Index("ix_work_verdict_at", "verdict_at"))  # the dashboard's throughput of recent minutes
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
@@ -90,6 +96,7 @@ class Work(Base):
     state: Mapped[str] = mapped_column(String(16))
     issued_at: Mapped[float] = mapped_column(Float)
     lost_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    expired_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # its deadline passed while open
     # The batch, from the worker's announcement.
     batch_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     store_path: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -108,6 +115,38 @@ class Work(Base):
     rewards: Mapped[list | None] = mapped_column(JSON, nullable=True)
     verified_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
+
+
+class ServiceRun(Base):
+    """One start of the service; `stopped_at` is set by a clean stop (None: running, or it crashed)."""
+
+    __tablename__ = "service_runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class SeenNonce(Base):
+    """A nonce the last clean stop left unexpired, reloaded at the next start."""
+
+    __tablename__ = "nonces"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires: Mapped[float] = mapped_column(Float)
+
+
+def _v1_to_v2(conn: Connection) -> None:
+    """Assignment deadlines (`expired_at`) and the replay guard's tables. A version-1 service kept its nonces in
+    memory only, so its last run counts as an unclean stop (auth.py)."""
+    conn.execute(text("ALTER TABLE assignments ADD COLUMN expired_at FLOAT"))
+    conn.execute(text("CREATE INDEX ix_work_verdict_at ON assignments (verdict_at)"))
+    for table in (ServiceRun.__table__, SeenNonce.__table__):
+        table.create(conn)
+    conn.execute(ServiceRun.__table__.insert().values(started_at=0.0, stopped_at=None))
+
+
+MIGRATIONS[1] = _v1_to_v2
 
 
 def sqlite_url(path: str | Path) -> str:

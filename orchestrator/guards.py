@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import email.message
 import functools
+import ipaddress
 import logging
 import math
 import re
@@ -30,6 +31,21 @@ MAX_ERRORS = 32
 # A number that may overflow a float: an exponent of three digits or more, or 300 digits in a row. Only a body
 # with one is walked for infinities (the parser reads 1e999 as inf).
 _BIG_NUMBER = re.compile(rb"[eE]\+?0*[1-9][0-9]{2}|[0-9]{300}")
+
+
+@functools.lru_cache(maxsize=65536)
+def address_group(host: str) -> str:
+    """The unit per-address limits count in: an IPv4 address, or the /64 of an IPv6 one (one subscriber's
+    allocation; anything else, such as a Unix socket's name, as it is)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return host
 
 
 class BodyError(ValueError):

@@ -46,7 +46,7 @@ class _StateCollector:
                 Work.state == SUBMITTED, Work.claimed_by.is_not(None), Work.lease_expires > now))
             oldest = s.scalar(select(func.min(Work.announced_at)).where(Work.state == SUBMITTED))
         work = GaugeMetricFamily("orchestrator_assignments", "Assignments by state", labels=["state"])
-        for state in ("open", "submitted", "accepted", "rejected", "lost"):
+        for state in ("open", "submitted", "accepted", "rejected", "lost", "expired"):
             work.add_metric([state], by_state.get(state, 0))
         yield work
         batches = GaugeMetricFamily("orchestrator_batches", "Announced batches by status", labels=["status"])

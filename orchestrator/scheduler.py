@@ -10,6 +10,13 @@ unread. A batch leaves the count when the learner reads it (GET /v1/batches with
 rejected, when its assignment is lost, or when its version leaves the window; each frees room for a new
 assignment. On top of that a worker holds at most `max_inflight_per_node` open assignments.
 
+Deadlines. An assignment not announced within `deadline_s` of its issue expires (`expire()`, from the
+service's sweep): it leaves the window, so its room is handed out again, and it counts against its node like a
+rejection (`ban_after_rejections` strikes of either kind within `rejection_window_s` ban the node). A late batch
+is still taken while its version is in the window; the strike stays. Workers that have never had a batch
+accepted ("unproven": every fresh key) hold at most `unproven_share` of the window's capacity between them, so
+keys that heartbeat and never deliver cannot hold the window, not even for one deadline.
+
 Assignments are given at the newest version in the window whose weights the worker says it holds, else at V.
 The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.protocol` from
 (node key, v, k), so a validator recomputes them.
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -34,7 +41,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.protocol import (Assignment, BatchAnnouncement, BatchRecord, BatchStatus, PolicyAnnouncement, PolicyInfo,
                              Verdict, assigned_sample_seeds, assigned_task_ids)
-from orchestrator.db import ACCEPTED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
+from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
 from orchestrator.nodes import NodeRegistry
 
 log = logging.getLogger("orchestrator")
@@ -49,6 +56,8 @@ _BY_ID = select(_TABLE).where(W.id == bindparam("wid"))
 _BY_BATCH = select(_TABLE).where(W.batch_id == bindparam("batch"))
 _ID_OF_BATCH = select(W.id).where(W.batch_id == bindparam("batch"))
 _UPDATE = _TABLE.update().where(W.id == bindparam("wid"))  # SET: the columns named in the parameters
+_EXPIRE = (_TABLE.update().where(W.id == bindparam("wid"), W.state == OPEN)
+           .values(state=EXPIRED, expired_at=bindparam("when")))
 _HELD_CLAIM = (select(_TABLE).where(W.state == SUBMITTED, W.claimed_by == bindparam("key"),
                                     W.lease_expires > bindparam("now")).order_by(W.id).limit(1))
 _NEXT_CLAIM = (select(_TABLE).where(W.state == SUBMITTED,
@@ -61,7 +70,7 @@ class WorkScheduler:
                  prompts_per_step: int, prompts_per_assignment: int, samples_per_prompt: int,
                  max_inflight_per_node: int, num_tasks: int | None, claim_lease_s: float,
                  ban_after_rejections: int, rejection_window_s: float, default_relays: Sequence[str],
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], deadline_s: float = math.inf, unproven_share: float = 1.0):
         self.db = db
         self.engine: Engine = db.kw["bind"]
         self.registry = registry
@@ -77,17 +86,27 @@ class WorkScheduler:
         self.rejection_window_s = rejection_window_s
         self.default_relays = list(default_relays)
         self.clock = clock
+        self.deadline_s = deadline_s
+        self.unproven_capacity = max(1, math.floor(unproven_share * self.capacity))
         # Caches of what the heartbeat needs, so that a heartbeat that changes nothing reads no table; every
         # change goes through this object (one process per database), which keeps them exact.
         self._window: int | None = None  # work in the async window, kept by deltas; None: count again
         self._open: dict[str, list[Assignment]] = defaultdict(list)  # open assignments by node, oldest first
         self._next_k: dict[tuple[str, int], int] = {}  # (node, version) -> its next k, once looked up
+        # Deadlines of open assignments in the order they were issued, so in deadline order (if the clock steps
+        # back, one expires late, never early); an entry whose assignment left the open state is skipped.
+        self._deadlines: deque[tuple[float, int, str]] = deque()  # (deadline, assignment id, node)
         with db() as s:
             latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             self.policy = self._policy_info(latest)
+            self._proven = set(s.scalars(select(Work.node_key).where(Work.state == ACCEPTED).distinct()))
             for w in s.scalars(select(Work).where(Work.state == OPEN).order_by(Work.id)):
                 self._open[w.node_key].append(self._to_assignment(w))
+                self._deadlines.append((w.issued_at + deadline_s, w.id, w.node_key))
             self._verdict_seq = s.scalar(select(func.max(Work.verdict_seq))) or 0
+            self.expired_total = s.scalar(select(func.count()).select_from(Work).where(Work.expired_at.is_not(None)))
+        # open assignments held by workers without an accepted batch, kept by deltas
+        self._unproven_open = sum(len(v) for k, v in self._open.items() if k not in self._proven)
         registry.on_release = self._released
 
     # -- policy ---------------------------------------------------------------------------------------------
@@ -130,7 +149,8 @@ class WorkScheduler:
         return Assignment(id=w.id, version=w.version, k=w.k, prompts=w.prompts,
                           samples_per_prompt=w.samples_per_prompt, task_ids=task_ids,
                           sample_seeds=assigned_sample_seeds(w.node_key, w.version, w.k, count),
-                          issued_at=w.issued_at)
+                          issued_at=w.issued_at,
+                          expires_at=w.issued_at + self.deadline_s if math.isfinite(self.deadline_s) else None)
 
     def window_work(self, recount: bool = False) -> int:
         """Work in the async window (see the module docstring), from the cache unless `recount`."""
@@ -148,17 +168,63 @@ class WorkScheduler:
         if self._window is not None:
             self._window += delta
 
+    def _drop_open(self, key: str, ids: set[int] | None = None) -> list[Assignment]:
+        """Take the node's open assignments with these `ids` (None: all) out of the cache; returns them."""
+        mine = self._open.get(key, [])
+        gone = [a for a in mine if ids is None or a.id in ids]
+        if gone:
+            kept = [a for a in mine if ids is not None and a.id not in ids]
+            if kept:
+                self._open[key] = kept
+            else:
+                self._open.pop(key, None)
+            if key not in self._proven:
+                self._unproven_open -= len(gone)
+        return gone
+
     def _released(self, key: str) -> None:
         """The node's open assignments were marked lost (it died or was banned)."""
-        self._window_add(-sum(self._in_window(a.version) for a in self._open.pop(key, [])))
+        self._window_add(-sum(self._in_window(a.version) for a in self._drop_open(key)))
 
     def open_assignments(self, key: str, loaded_versions: Sequence[int]) -> list[Assignment]:
-        """The worker's open assignments, after giving it a new one if it has room and the window has too."""
-        mine = self._open[key]
-        if len(mine) < self.max_inflight_per_node and self.window_work() < self.capacity:
-            mine.append(self._to_assignment(self._issue(key, loaded_versions)))
+        """The worker's open assignments, after giving it a new one if it has room, the window has too, and (for
+        a worker without an accepted batch) the unproven share of the window has room."""
+        mine = self._open.get(key, [])
+        if (len(mine) < self.max_inflight_per_node and self.window_work() < self.capacity
+                and (key in self._proven or self._unproven_open < self.unproven_capacity)):
+            work = self._issue(key, loaded_versions)
+            mine = self._open[key]
+            mine.append(self._to_assignment(work))
+            self._deadlines.append((work.issued_at + self.deadline_s, work.id, key))
             self._window_add(1)
+            if key not in self._proven:
+                self._unproven_open += 1
         return list(mine)
+
+    def expire(self) -> list[tuple[str, int]]:
+        """Open assignments past their deadline expire: out of the window, a strike against their node (which
+        may ban it). Returns (node key, assignment id) of each."""
+        now = self.clock()
+        due = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, wid, key = self._deadlines.popleft()
+            if any(a.id == wid for a in self._open.get(key, ())):
+                due.append((key, wid))
+        if not due:
+            return []
+        with self.engine.begin() as conn:
+            conn.execute(_EXPIRE, [{"wid": wid, "when": now} for _, wid in due])
+        self.expired_total += len(due)
+        by_node: dict[str, set[int]] = defaultdict(set)
+        for key, wid in due:
+            by_node[key].add(wid)
+        for key, ids in by_node.items():
+            self._window_add(-sum(self._in_window(a.version) for a in self._drop_open(key, ids)))
+        for key in by_node:
+            if self._should_ban(key, now):
+                self.registry.ban(key, f"automatic: {self.ban_after_rejections} rejected batches or expired "
+                                       f"assignments within {self.rejection_window_s:g} s")
+        return due
 
     def _issue(self, key: str, loaded_versions: Sequence[int]) -> SimpleNamespace:
         usable = [v for v in loaded_versions if self.policy.min_version <= v <= self.policy.version]
@@ -180,7 +246,7 @@ class WorkScheduler:
         with self.engine.begin() as conn:
             row = conn.execute(_BY_ID, {"wid": msg.assignment_id}).first()
             work = None if row is None else SimpleNamespace(**row._mapping)
-            revived = work is not None and work.state == LOST and self._in_window(work.version)
+            revived = work is not None and work.state in (LOST, EXPIRED) and self._in_window(work.version)
             if work is None or work.node_key != key:
                 raise HTTPException(404, f"assignment_id {msg.assignment_id}: no such assignment of this node")
             if work.batch_id is not None:
@@ -208,8 +274,8 @@ class WorkScheduler:
             conn.execute(_UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record = batch_record(work, now)
-        self._open[key] = [a for a in self._open[key] if a.id != msg.assignment_id]
-        self._window_add(int(revived))  # open -> submitted stays in the window; lost -> submitted comes back
+        self._drop_open(key, {msg.assignment_id})
+        self._window_add(int(revived))  # open -> submitted stays in the window; lost/expired -> submitted: back
         return record
 
     def claim(self, key: str, lease_s: float | None) -> tuple[BatchRecord | None, float | None]:
@@ -255,6 +321,9 @@ class WorkScheduler:
             vars(work).update(change)
             record, worker = batch_record(work, now), work.node_key
         self._verdict_seq += 1  # only once the transaction committed
+        if msg.accepted and worker not in self._proven:  # its open work no longer counts as unproven
+            self._proven.add(worker)
+            self._unproven_open -= len(self._open.get(worker, ()))
         if not msg.accepted:
             self._window_add(-int(self._in_window(record.version)))
         if not msg.accepted and self._should_ban(worker, now):
@@ -263,52 +332,75 @@ class WorkScheduler:
         return record, True
 
     def _should_ban(self, worker: str, now: float) -> bool:
+        """Strikes within the window reach ban_after_rejections: rejected batches and expired assignments (an
+        assignment that expired and was then rejected counts once)."""
         if self.ban_after_rejections == 0 or self.registry.live[worker].banned:
             return False
+        since = now - self.rejection_window_s
         with self.db() as s:
             recent = s.scalar(select(func.count()).select_from(Work).where(
-                Work.node_key == worker, Work.state == REJECTED, Work.verdict_at > now - self.rejection_window_s))
+                Work.node_key == worker,
+                or_((Work.state == REJECTED) & (Work.verdict_at > since), Work.expired_at > since)))
         return recent >= self.ban_after_rejections
 
     def batches(self, status: BatchStatus, min_version: int | None, after: int | None, limit: int,
-                learner: bool) -> tuple[list[BatchRecord], int]:
-        """Batches by status, oldest first, with the cursor for the next call.
+                learner: bool) -> tuple[list[dict], int]:
+        """Batches by status, oldest first, as the dicts of their BatchRecord (the learner) or PublicBatchRecord
+        (anyone else), with the cursor for the next call. Built from Core rows without a model per batch (a poll
+        of the learner's cost more in models than in SQL).
 
         The cursor is the verdict order for accepted and rejected batches and the assignment id for submitted
         and validating ones. Accepted batches returned to the learner are marked delivered.
         """
         now = self.clock()
-        query = select(Work)
+        query = select(_TABLE)
         if status in (ACCEPTED, REJECTED):
-            order = Work.verdict_seq
-            query = query.where(Work.state == status)
+            order = W.verdict_seq
+            query = query.where(W.state == status)
         else:
-            order = Work.id
-            live = (Work.claimed_by.is_not(None)) & (Work.lease_expires > now)
-            query = query.where(Work.state == SUBMITTED, live if status == "validating" else ~live)
+            order = W.id
+            live = (W.claimed_by.is_not(None)) & (W.lease_expires > now)
+            query = query.where(W.state == SUBMITTED, live if status == "validating" else ~live)
         if min_version is not None:
-            query = query.where(Work.version >= min_version)
+            query = query.where(W.version >= min_version)
         if after is not None:
             query = query.where(order > after)
         fresh = []
-        with self.db.begin() as s:
-            rows = list(s.scalars(query.order_by(order).limit(limit)))
+        with self.engine.begin() as conn:
+            rows = [row._mapping for row in conn.execute(query.order_by(order).limit(limit))]
             if learner and status == ACCEPTED:
-                fresh = [w for w in rows if w.delivered_at is None]
+                fresh = [w for w in rows if w["delivered_at"] is None]
                 if fresh:
-                    s.execute(update(Work).where(Work.id.in_([w.id for w in fresh])).values(delivered_at=now))
-            records = [batch_record(w, now) for w in rows]
-        self._window_add(-sum(self._in_window(w.version) for w in fresh))
-        cursor = (getattr(rows[-1], order.key) if rows else after) or 0
+                    conn.execute(update(_TABLE).where(W.id.in_([w["id"] for w in fresh])).values(delivered_at=now))
+        records = [batch_dict(w, now, public=not learner) for w in rows]
+        self._window_add(-sum(self._in_window(w["version"]) for w in fresh))
+        cursor = (rows[-1][order.key] if rows else after) or 0
         return records, cursor
+
+
+def _status(state: str, claimed_by: str | None, lease_expires: float | None, now: float) -> str:
+    if state == SUBMITTED:
+        return "validating" if claimed_by is not None and lease_expires > now else "submitted"
+    return state
+
+
+def batch_dict(w: Any, now: float, public: bool) -> dict:
+    """The fields of a Work row's BatchRecord (or, `public`, its PublicBatchRecord) as a dict ready for JSON."""
+    out = {"batch_id": w["batch_id"], "node_key": w["node_key"], "assignment_id": w["id"], "assignment_k": w["k"],
+           "version": w["version"], "num_samples": w["num_samples"], "num_tokens": w["num_tokens"],
+           "status": _status(w["state"], w["claimed_by"], w["lease_expires"], now),
+           "announced_at": w["announced_at"], "verdict_at": w["verdict_at"], "verdict_seq": w["verdict_seq"]}
+    if not public:
+        out.update(store_path=w["store_path"], sha256=w["sha256"], claimed_by=w["claimed_by"],
+                   lease_expires_at=w["lease_expires"], validator_key=w["validator_key"],
+                   failed_checks=w["failed_checks"] or [], reason=w["reason"], rewards=w["rewards"],
+                   verified_tokens=w["verified_tokens"])
+    return out
 
 
 def batch_record(w: Any, now: float) -> BatchRecord:
     """The BatchRecord of a Work row (ORM object, or a namespace of a Core row's columns)."""
-    if w.state == SUBMITTED:
-        status = "validating" if w.claimed_by is not None and w.lease_expires > now else "submitted"
-    else:
-        status = w.state
+    status = _status(w.state, w.claimed_by, w.lease_expires, now)
     return BatchRecord(batch_id=w.batch_id, node_key=w.node_key, assignment_id=w.id, assignment_k=w.k,
                        version=w.version,
                        store_path=w.store_path, sha256=w.sha256, num_samples=w.num_samples, num_tokens=w.num_tokens,

@@ -121,7 +121,8 @@ def test_validation_lease_expires_to_another_validator(tmp_path):
 
 
 def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
-    pool = Pool(tmp_path, **{"orchestrator.num_tasks": 100})  # capacity (1 + 1) x ceil(4 / 2) = 4
+    # capacity (1 + 1) x ceil(4 / 2) = 4; fresh workers may fill all of it (unproven_share 1)
+    pool = Pool(tmp_path, **{"orchestrator.num_tasks": 100, "orchestrator.unproven_share": 1.0})
     validator = pool.node("validator")
     workers = [pool.node("worker") for _ in range(6)]
     given = {w.node_key: w.heartbeat().assignments for w in workers}
@@ -166,7 +167,7 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
 
 def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_path):
     pool = Pool(tmp_path, **{"orchestrator.ban_after_rejections": 2, "orchestrator.rejection_window_s": 100,
-                             "orchestrator.max_inflight_per_node": 4})
+                             "orchestrator.max_inflight_per_node": 4, "orchestrator.unproven_share": 1.0})
     worker, validator = pool.node("worker"), pool.node("validator")
     works = [worker.heartbeat().assignments[-1] for _ in range(4)]
     assert len({w.id for w in works}) == 4
@@ -194,7 +195,8 @@ def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_pat
 
 def test_hardware_below_the_pool_requirements_is_refused_with_reasons(tmp_path):
     pool = Pool(tmp_path, **{"orchestrator.allow_cpu_nodes": "false", "orchestrator.min_gpus": 2,
-                             "orchestrator.min_gpu_memory_gib": 40})
+                             "orchestrator.min_gpu_memory_gib": 40,
+                             "orchestrator.challenge_size": 0})  # (on by default without CPU nodes)
     node = pool.client(Ed25519PrivateKey.generate())
     reply = node.register("worker", HW)
     assert reply.status == "refused" and "CPU-only" in reply.reasons[0]
@@ -234,7 +236,7 @@ def test_schema_is_created_upgraded_or_refused(tmp_path):
     with open_database(url).begin() as conn:
         conn.execute(text("UPDATE schema_info SET version = :v"), {"v": older})
     with pytest.raises(SchemaError, match=f"schema version {older} and this release cannot upgrade"):
-        open_database(url)
+        open_database(url, migrations={})
     ran = []
     engine = open_database(url, migrations={older: lambda conn: ran.append(conn.execute(text("SELECT 1")).scalar())})
     with engine.connect() as conn:
