@@ -16,14 +16,15 @@ def run(args: argparse.Namespace) -> int:
     import gc
     import logging
 
-    import uvicorn
-
     from intellect.cli import config_from_args
     from orchestrator.app import create_app
     from orchestrator.db import SchemaError
+    from orchestrator.guards import address_group, bound_log_lines
+    from orchestrator.server import Limits, serve
 
     cfg = config_from_args(args)
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    bound_log_lines()  # no request makes a log record longer than a few kB
     try:
         app = create_app(cfg)
     except SchemaError as exc:
@@ -39,9 +40,11 @@ def run(args: argparse.Namespace) -> int:
     # stalled every request for 50-80 ms at 1,000 nodes).
     gc.collect()
     gc.freeze()
-    # No X-Forwarded-For handling: nothing here depends on a client's address (nodes are known by their keys).
-    # Idle keep-alive connections are kept longer than clients keep theirs (aiohttp: 15 s, httpx: 5 s), so that a
-    # client never sends on a connection the server is closing at that moment.
-    uvicorn.run(app, host=oc.host, port=oc.port, log_level=cfg.run.log_level.lower(), access_log=False, proxy_headers=False,
-                timeout_keep_alive=75)
+    # Idle keep-alive connections are kept (keepalive_s, 20 s) longer than clients keep theirs (aiohttp: 15 s,
+    # httpx: 5 s), so that a client never sends on a connection the server is closing at that moment.
+    limits = Limits(max_connections=oc.max_connections, max_connections_per_ip=oc.max_connections_per_ip,
+                    max_header_bytes=oc.max_header_kib << 10, header_timeout_s=oc.header_timeout_s,
+                    body_timeout_s=oc.body_timeout_s, keepalive_s=oc.keepalive_s,
+                    exempt=frozenset(address_group(a) for a in oc.trusted_proxies))
+    serve(app, oc.host, oc.port, limits, cfg.run.log_level.lower(), oc.trusted_proxies)
     return 0
