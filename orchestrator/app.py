@@ -159,7 +159,8 @@ class NodeRoutes:
 
     def claim(self, key: str, _node: LiveNode, body: ClaimRequest) -> bytes:
         record, expires = self.svc.scheduler.claim(key, body.lease_s)
-        return ClaimResponse(batch=record, lease_expires_at=expires).model_dump_json().encode()
+        pin = None if record is None else self.svc.scheduler.manifests.get(record.version)
+        return ClaimResponse(batch=record, lease_expires_at=expires, manifest_sha256=pin).model_dump_json().encode()
 
     def verdict(self, key: str, _node: LiveNode, body: Verdict, batch_id: str) -> bytes:
         record, new = self.svc.scheduler.verdict(key, batch_id, body)

@@ -16,7 +16,8 @@ it. Its `state` is the life of that work:
 
 `expired_at` stays set once an assignment expired (a strike against its node, like a rejection, even when
 the batch comes late). `service_runs` records each start and clean stop of the service, and `nonces` the
-nonces a clean stop left unexpired (auth.py: a restart does not reopen old signatures).
+nonces a clean stop left unexpired (auth.py: a restart does not reopen old signatures). `policy.manifest_sha256`
+is what the learner announced for a version (SHARDCAST clients accept no other manifest for it).
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -33,7 +34,7 @@ from sqlalchemy import (JSON, BigInteger, Boolean, Connection, Engine, Float, Fo
                         Text, UniqueConstraint, create_engine, event, inspect, select, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -77,6 +78,7 @@ class Policy(Base):
     learner_step: Mapped[int] = mapped_column(Integer)
     relays: Mapped[list] = mapped_column(JSON)
     announced_at: Mapped[float] = mapped_column(Float)
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)  # pinned by SHARDCAST clients
 
 
 class Work(Base):
@@ -147,6 +149,14 @@ def _v1_to_v2(conn: Connection) -> None:
 
 
 MIGRATIONS[1] = _v1_to_v2
+
+
+def _v2_to_v3(conn: Connection) -> None:
+    """Each policy version's manifest sha256 as the learner announced it (SHARDCAST clients pin it)."""
+    conn.execute(text("ALTER TABLE policy ADD COLUMN manifest_sha256 VARCHAR(64)"))
+
+
+MIGRATIONS[2] = _v2_to_v3
 
 
 def sqlite_url(path: str | Path) -> str:

@@ -98,6 +98,9 @@ class WorkScheduler:
         self._deadlines: deque[tuple[float, int, str]] = deque()  # (deadline, assignment id, node)
         with db() as s:
             latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
+            # manifest sha256 by version, as announced (SHARDCAST clients pin them; a claim names its version's)
+            self.manifests = {v: h for v, h in s.execute(select(Policy.version, Policy.manifest_sha256).where(
+                Policy.manifest_sha256.is_not(None)))}
             self.policy = self._policy_info(latest)
             self._proven = set(s.scalars(select(Work.node_key).where(Work.state == ACCEPTED).distinct()))
             for w in s.scalars(select(Work).where(Work.state == OPEN).order_by(Work.id)):
@@ -113,10 +116,12 @@ class WorkScheduler:
 
     def _policy_info(self, row: Policy | None) -> PolicyInfo:
         version = row.version if row else 0
+        oldest = max(0, version - self.async_level)
         return PolicyInfo(version=version, learner_step=row.learner_step if row else 0,
-                          async_level=self.async_level, min_version=max(0, version - self.async_level),
+                          async_level=self.async_level, min_version=oldest,
                           relays=(row.relays if row and row.relays else self.default_relays),
-                          announced_at=row.announced_at if row else None)
+                          announced_at=row.announced_at if row else None,
+                          manifests={v: self.manifests[v] for v in range(oldest, version + 1) if v in self.manifests})
 
     def announce_policy(self, msg: PolicyAnnouncement) -> PolicyInfo:
         """A new version from the learner; announcing the current one again is a no-op, an older one is 409.
@@ -125,14 +130,19 @@ class WorkScheduler:
         if msg.version < current:
             raise HTTPException(409, f"version {msg.version} is older than the current version {current}")
         if msg.version == current and self.policy.announced_at is not None:
+            pinned = self.manifests.get(current)
+            if msg.manifest_sha256 is not None and pinned is not None and msg.manifest_sha256 != pinned:
+                raise HTTPException(409, f"version {current} was announced with manifest sha256 {pinned}")
             return self.policy
         with self.db.begin() as s:
             last = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             row = Policy(version=msg.version,
                          learner_step=msg.version if msg.learner_step is None else msg.learner_step,
                          relays=list(msg.relays) if msg.relays is not None else (last.relays if last else []),
-                         announced_at=self.clock())
+                         announced_at=self.clock(), manifest_sha256=msg.manifest_sha256)
             s.add(row)
+        if msg.manifest_sha256 is not None:
+            self.manifests[msg.version] = msg.manifest_sha256
         self.policy, self._window = self._policy_info(row), None
         # k counters of versions that left the window are never needed again (no assignment is issued there)
         self._next_k = {kv: k for kv, k in self._next_k.items() if kv[1] >= self.policy.min_version}

@@ -17,8 +17,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from fastapi.testclient import TestClient
 
-from bridge.protocol import PolicyInfo
+from bridge.protocol import (BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, PolicyInfo,
+                             RetryPolicy)
 from bridge.shardcast import FetchError, ShardcastClient, ShardcastError
 from bridge.shardcast.names import parse_server_list
 from bridge.shardcast.pool import ServerPool
@@ -155,6 +158,63 @@ def test_relays_wait_for_the_announcement_and_mirror_only_the_pinned_manifest(se
         orchestrator.close()
 
 
+# ---- the orchestrator carries the pin: announcement, policy, heartbeat, claim ----------------------------
+
+HW = HardwareReport(cpu_count=2, memory_gib=4)
+
+
+def orchestrator(tmp_path):
+    from intellect.config import load_config
+    from orchestrator.app import create_app
+
+    overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",
+                 "trainer.async_level": 1, "data.prompts_per_step": 4, "data.samples_per_prompt": 2,
+                 "trainer.batch_size": 8, "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2,
+                 "orchestrator.challenge_size": 0}
+    app = create_app(load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={}))
+    http = TestClient(app)
+
+    def node(key=None, admin_token=None) -> OrchestratorClient:
+        return OrchestratorClient("http://testserver", key=key, admin_token=admin_token,
+                                  retry=RetryPolicy(attempts=1), http=http)
+    return app, node
+
+
+def test_the_orchestrator_carries_each_versions_manifest_sha256(tmp_path):
+    app, node = orchestrator(tmp_path)
+    admin = node(admin_token="tok")
+    pins = {v: hashlib.sha256(b"manifest %d" % v).hexdigest() for v in range(4)}
+    admin.announce_policy(0, manifest_sha256=pins[0])
+    policy = admin.announce_policy(1, manifest_sha256=pins[1])
+    assert policy.manifests == {0: pins[0], 1: pins[1]}
+    with pytest.raises(OrchestratorError) as refused:  # the same version under another manifest
+        admin.announce_policy(1, manifest_sha256=pins[2])
+    assert refused.value.status == 409
+    assert admin.announce_policy(1, manifest_sha256=pins[1]).manifests == policy.manifests  # a repeat: no-op
+    with pytest.raises(Exception):
+        admin.announce_policy(2, manifest_sha256="not hex")  # refused by the model before it is sent
+    worker = node(Ed25519PrivateKey.generate())
+    assert worker.register("worker", HW).policy.manifests == {0: pins[0], 1: pins[1]}
+    beat = worker.heartbeat()  # the fast lane's heartbeat
+    assert beat.policy.manifests == {0: pins[0], 1: pins[1]}
+    [work] = beat.assignments
+    assert work.version == 1
+    admin.announce_policy(2, manifest_sha256=pins[2])
+    assert node().policy().manifests == {1: pins[1], 2: pins[2]}  # the window: versions 1 and 2
+    n = work.prompts * work.samples_per_prompt
+    worker.announce_batch(BatchAnnouncement(batch_id="b1", assignment_id=work.id, version=1, num_samples=n,
+                                            num_tokens=10 * n, store_path="file:///s/v000001/b1", sha256="ab" * 32))
+    validator = node(Ed25519PrivateKey.generate())
+    validator.register("validator", HW)
+    claim = validator.claim()
+    assert claim.batch.version == 1 and claim.manifest_sha256 == pins[1]
+    app.state.orchestrator.close()
+    app, node = orchestrator(tmp_path)  # a restart keeps them
+    assert node().policy().manifests == {1: pins[1], 2: pins[2]}
+    assert app.state.orchestrator.scheduler.manifests == {0: pins[0], 1: pins[1], 2: pins[2]}
+    app.state.orchestrator.close()
+
+
 def test_workers_fetch_window_versions_only_under_their_pin():
     from gpu_workers.worker import pinned_manifest
 
@@ -232,3 +292,18 @@ def test_a_relay_pins_waits_skips_or_goes_unpinned_as_the_announcement_says():
     assert mirror._pin(2) == (False, None) and mirror.skipped == {2}  # left the window unannounced to us
     state["policy"] = OSError("connection refused")
     assert mirror._pin(6) == (False, None)  # the orchestrator unreachable: not mirrored yet
+
+
+def test_a_schema_2_database_gains_the_manifest_column(tmp_path):
+    from sqlalchemy import text
+
+    from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
+
+    url = sqlite_url(tmp_path / "o.db")
+    with open_database(url).begin() as conn:  # made as schema 2 left it: no policy.manifest_sha256
+        conn.execute(text("ALTER TABLE policy DROP COLUMN manifest_sha256"))
+        conn.execute(text("INSERT INTO policy (version, learner_step, relays, announced_at) VALUES (4, 4, '[]', 1)"))
+        conn.execute(text("UPDATE schema_info SET version = 2"))
+    with open_database(url).connect() as conn:
+        assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION == 3
+        assert conn.execute(text("SELECT version, manifest_sha256 FROM policy")).all() == [(4, None)]
