@@ -9,7 +9,17 @@ Side by side in the same run, the reference: the same N clients sending one unsi
 each to the same server (no signature, no database): the floor set by the HTTP stack and this machine. The
 service's target is p99 < 100 ms with zero errors at 1,000 nodes on a 2-core machine.
 
-    python benchmarks/orchestrator_load.py [--nodes 100 500 1000] [--seconds 60]
+The server runs with its default connection limits (orchestrator/server.py), so the simulated nodes come from
+many loopback addresses (127.0.1.x, `--nodes-per-address` each), as nodes on the internet do.
+
+`--hostile` measures each load twice on fresh servers: clean, then with a hostile mix beside the same honest
+nodes (each part from its own loopback addresses): `--free-keys` keys that register, take assignments and never
+deliver (heartbeating every second; assignments expire after `--deadline-s`), `--slow-connections` connections
+that trickle a request head a byte every 2 s and reconnect when closed, and `--oversized-per-s` requests per
+second whose header grows to 1 MiB. It reports the honest nodes' throughput (requests/s, batches announced/s)
+against the clean run's, their p99, and what the hostile clients got.
+
+    python benchmarks/orchestrator_load.py [--nodes 100 500 1000] [--seconds 60] [--hostile]
 
 Prints one JSON object.
 """
@@ -21,6 +31,7 @@ import asyncio
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
 import random
 import tempfile
@@ -52,6 +63,7 @@ prompts_per_assignment = 1
 submit_rate_per_min = 600
 submit_burst = 20
 ban_after_rejections = 0  # the simulated validators reject 5% at random
+assignment_deadline_s = {deadline}
 [data]
 prompts_per_step = 4096
 samples_per_prompt = 2
@@ -172,48 +184,205 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def address(block: int, i: int) -> str:
+    """The i-th loopback address of a block (1: honest nodes, 2: free keys, 3: slow connections, 4: oversized)."""
+    return f"127.{block}.{i // 250}.{i % 250 + 1}"
+
+
+class Sessions:
+    """aiohttp sessions, one per source address, `per_address` clients each."""
+
+    def __init__(self, block: int, per_address: int):
+        self.block, self.per_address, self.sessions = block, per_address, []
+
+    def for_client(self, i: int) -> aiohttp.ClientSession:
+        while len(self.sessions) <= i // self.per_address:
+            n = len(self.sessions)
+            self.sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=self.per_address + 8, local_addr=(address(self.block, n), 0))))
+        return self.sessions[i // self.per_address]
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.sessions))
+
+
+async def free_key(client: AsyncOrchestratorClient, counts: dict, stop: asyncio.Event) -> None:
+    """Takes assignments and never delivers."""
+    await asyncio.sleep(random.uniform(0, 1))
+    while not stop.is_set():
+        tick = time.monotonic()
+        try:
+            reply = await client.heartbeat()
+            counts["assignments_held"] = counts.get("assignments_held", 0) + len(reply.assignments)
+            counts["heartbeats"] = counts.get("heartbeats", 0) + 1
+        except (OrchestratorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            name = f"refused {getattr(exc, 'status', type(exc).__name__)}"
+            counts[name] = counts.get(name, 0) + 1
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+
+
+async def slow_connection(host: str, port: int, source: str, counts: dict, stop: asyncio.Event) -> None:
+    """Holds a connection that trickles a request head, a byte every 2 s; reconnects when closed."""
+    await asyncio.sleep(random.uniform(0, 2))
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+        except OSError:
+            counts["connect_failed"] = counts.get("connect_failed", 0) + 1
+            await asyncio.sleep(1)
+            continue
+        counts["connections"] = counts.get("connections", 0) + 1
+        started = time.monotonic()
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            while not stop.is_set():
+                try:
+                    answer = await asyncio.wait_for(reader.read(256), 2.0)
+                except asyncio.TimeoutError:
+                    writer.write(b"a")
+                    await writer.drain()
+                    continue
+                status = answer[9:12].decode(errors="replace") if answer else "closed"
+                counts[f"ended {status}"] = counts.get(f"ended {status}", 0) + 1
+                counts["held_s_total"] = counts.get("held_s_total", 0.0) + time.monotonic() - started
+                break
+        except OSError:
+            counts["ended reset"] = counts.get("ended reset", 0) + 1
+        finally:
+            writer.close()
+
+
+async def oversized(host: str, port: int, source: str, per_s: float, counts: dict, stop: asyncio.Event) -> None:
+    """Requests whose header grows to 1 MiB, `per_s` of them per second."""
+    chunk = b"b" * 65536
+    while not stop.is_set():
+        tick = time.monotonic()
+        sent, writer = 0, None
+        try:
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(source, 0))
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            for _ in range(16):
+                writer.write(chunk)
+                await writer.drain()
+                sent += len(chunk)
+            writer.write(b"\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(256), 5)
+            status = answer[9:12].decode(errors="replace") if answer else "closed"
+        except (OSError, asyncio.TimeoutError):
+            status = "reset"
+        counts[f"answered {status}"] = counts.get(f"answered {status}", 0) + 1
+        counts["bytes_sent_before_close"] = counts.get("bytes_sent_before_close", 0) + sent
+        if writer is not None:
+            writer.close()
+        try:  # the pause before the next, cut short by the stop
+            await asyncio.wait_for(stop.wait(), max(0.0, 1.0 / per_s - (time.monotonic() - tick)))
+        except asyncio.TimeoutError:
+            pass
+
+
+async def hostile_mix(url: str, hostile: dict, per_address: int, registered, stop_flag) -> dict:
+    """The attackers (in their own process, as they would be on their own machines): register the free keys,
+    set `registered`, run until `stop_flag` is set; returns what each kind of client got."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    sessions = Sessions(2, per_address)
+    retry = RetryPolicy(attempts=1)
+    free = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=sessions.for_client(i))
+            for i in range(hostile["free_keys"])]
+    hw = HardwareReport(cpu_count=8, memory_gib=32)
+    for i in range(0, len(free), 50):
+        await asyncio.gather(*(f.register("worker", hw) for f in free[i:i + 50]))
+    registered.set()
+    mix: dict[str, dict] = {"free_keys": {}, "slow_connections": {}, "oversized_headers": {}}
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(t) for t in
+             [free_key(f, mix["free_keys"], stop) for f in free]
+             + [slow_connection(host, int(port), address(3, i // 30), mix["slow_connections"], stop)
+                for i in range(hostile["slow_connections"])]
+             + [oversized(host, int(port), address(4, i), hostile["oversized_per_s"] / 4, mix["oversized_headers"],
+                          stop) for i in range(4 if hostile["oversized_per_s"] > 0 else 0)]]
+    while not stop_flag.is_set():
+        await asyncio.sleep(0.1)
+    stop.set()
+    await asyncio.gather(*tasks)
+    await sessions.close()
+    return mix
+
+
+def _hostile_process(url: str, hostile: dict, per_address: int, registered, stop_flag, results) -> None:
+    gc.collect()
+    gc.freeze()
+    results.put(asyncio.run(hostile_mix(url, hostile, per_address, registered, stop_flag)))
+
+
 async def run_load(url: str, server_pid: int, nodes: int, seconds: float, warmup: float, batch_every: float,
-                   console: Console) -> dict:
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=nodes + 64)) as http:
-        retry = RetryPolicy(attempts=1)  # every failed request counts as an error
-        workers = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=http)
-                   for _ in range(nodes)]
-        validators = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=http)
-                      for _ in range(max(2, nodes // 50))]
-        admin = AsyncOrchestratorClient(url, admin_token=TOKEN, retry=retry, session=http)
+                   console: Console, reference: bool = True, hostile: dict | None = None,
+                   per_address: int = 20) -> dict:
+    honest = Sessions(1, per_address)
+    try:
+        return await _run_load(url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile,
+                               honest, per_address)
+    finally:
+        await honest.close()
 
-        async def join() -> None:  # just before the orchestrator's turn, so that nobody is silent for long
-            hw = HardwareReport(cpu_count=8, memory_gib=32)
-            for i in range(0, len(workers), 50):
-                await asyncio.gather(*(w.register("worker", hw) for w in workers[i:i + 50]))
-            await asyncio.gather(*(v.register("validator", hw) for v in validators))
 
-        results = {}
-        for name, make in (("healthz_reference", lambda rec, stop: [health_only(http, url, rec, stop)
-                                                                    for _ in range(nodes)]),
-                           ("orchestrator", lambda rec, stop: [worker(w, rec, stop, batch_every) for w in workers]
-                            + [validator(v, rec, stop) for v in validators] + [learner(admin, rec, stop)])):
-            if name == "orchestrator":
-                await join()
-            rec, stop = Recorder(), asyncio.Event()
-            gc.collect()
-            gc.freeze()  # the simulated nodes' own full collections would show as the server's latency
-            tasks = [asyncio.create_task(t) for t in make(rec, stop)]
-            await asyncio.sleep(warmup)
-            rec.recording = True
-            console.log(f"{nodes} nodes, {name}: measuring {seconds:g} s")
-            server_cpu, own_cpu = cpu_seconds(server_pid), time.process_time()
-            await asyncio.sleep(seconds)
-            server_cpu, own_cpu = cpu_seconds(server_pid) - server_cpu, time.process_time() - own_cpu
-            rec.recording = False
-            stop.set()
-            await asyncio.gather(*tasks)
-            results[name] = summary = rec.summary(seconds)
-            # CPU per request does not depend on what else runs on the machine; latency does.
-            summary["server_cpu_ms_per_request"] = round(1000 * server_cpu / max(1, summary["requests"]), 3)
-            summary["server_cpu_share"] = round(server_cpu / seconds, 3)
-            summary["load_generator_cpu_share"] = round(own_cpu / seconds, 3)
-        return results
+async def _run_load(url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile,
+                    honest: Sessions, per_address: int) -> dict:
+    retry = RetryPolicy(attempts=1)  # every failed request counts as an error
+    workers = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry,
+                                       session=honest.for_client(i)) for i in range(nodes)]
+    validators = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry,
+                                          session=honest.for_client(nodes + i)) for i in range(max(2, nodes // 50))]
+    admin = AsyncOrchestratorClient(url, admin_token=TOKEN, retry=retry,
+                                    session=honest.for_client(nodes + len(validators)))
+
+    async def join() -> None:  # just before the orchestrator's turn, so that nobody is silent for long
+        hw = HardwareReport(cpu_count=8, memory_gib=32)
+        for i in range(0, len(workers), 50):
+            await asyncio.gather(*(w.register("worker", hw) for w in workers[i:i + 50]))
+        await asyncio.gather(*(v.register("validator", hw) for v in validators))
+
+    attackers = None
+    if hostile:
+        ctx = multiprocessing.get_context("spawn")
+        registered, stop_flag, mix_results = ctx.Event(), ctx.Event(), ctx.Queue()
+        attackers = ctx.Process(target=_hostile_process, args=(url, hostile, per_address, registered, stop_flag,
+                                                                mix_results), daemon=True)
+
+    results = {}
+    phases = ([("healthz_reference", lambda rec, stop: [health_only(honest.for_client(i), url, rec, stop)
+                                                        for i in range(nodes)])] if reference else [])
+    phases.append(("orchestrator", lambda rec, stop: [worker(w, rec, stop, batch_every) for w in workers]
+                   + [validator(v, rec, stop) for v in validators] + [learner(admin, rec, stop)]))
+    for name, make in phases:
+        if name == "orchestrator":
+            await join()
+            if attackers is not None:
+                attackers.start()
+                while not registered.is_set():
+                    await asyncio.sleep(0.1)
+        rec, stop = Recorder(), asyncio.Event()
+        gc.collect()
+        gc.freeze()  # the simulated nodes' own full collections would show as the server's latency
+        tasks = [asyncio.create_task(t) for t in make(rec, stop)]
+        await asyncio.sleep(warmup)
+        rec.recording = True
+        console.log(f"{nodes} nodes, {name}: measuring {seconds:g} s")
+        server_cpu, own_cpu = cpu_seconds(server_pid), time.process_time()
+        await asyncio.sleep(seconds)
+        server_cpu, own_cpu = cpu_seconds(server_pid) - server_cpu, time.process_time() - own_cpu
+        rec.recording = False
+        stop.set()
+        await asyncio.gather(*tasks)
+        results[name] = summary = rec.summary(seconds)
+        # CPU per request does not depend on what else runs on the machine; latency does.
+        summary["server_cpu_ms_per_request"] = round(1000 * server_cpu / max(1, summary["requests"]), 3)
+        summary["server_cpu_share"] = round(server_cpu / seconds, 3)
+        summary["load_generator_cpu_share"] = round(own_cpu / seconds, 3)
+    if attackers is not None:
+        stop_flag.set()
+        results["hostile_mix"] = await asyncio.to_thread(mix_results.get, True, 60)
+        attackers.join(10)
+    return results
 
 
 def main() -> None:
@@ -222,17 +391,50 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="measured seconds per load")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--batch-every", type=float, default=10.0, help="seconds between a worker's batches")
+    parser.add_argument("--nodes-per-address", type=int, default=20, help="honest nodes per loopback address")
+    parser.add_argument("--no-reference", action="store_true", help="skip the GET /healthz floor")
+    parser.add_argument("--hostile", action="store_true", help="each load clean, then with the hostile mix")
+    parser.add_argument("--free-keys", type=int, default=200)
+    parser.add_argument("--slow-connections", type=int, default=300)
+    parser.add_argument("--oversized-per-s", type=float, default=20.0)
+    parser.add_argument("--deadline-s", type=float, default=15.0, help="orchestrator.assignment_deadline_s")
     args = parser.parse_args()
     console = Console(stderr=True)
-    out = {"machine_cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "seconds": args.seconds, "batch_every_s": args.batch_every,
-           "target": "1000 nodes: p99 < 100 ms, 0 errors", "loads": {}}
-    for nodes in args.nodes:
+    out = {"machine_cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "seconds": args.seconds,
+           "batch_every_s": args.batch_every, "target": "1000 nodes: p99 < 100 ms, 0 errors; hostile mix: honest "
+           "throughput >= 90% of clean, p99 < 200 ms", "loads": {}}
+    hostile = {"free_keys": args.free_keys, "slow_connections": args.slow_connections,
+               "oversized_per_s": args.oversized_per_s} if args.hostile else None
+    if hostile:
+        out["hostile_mix"] = hostile
+
+    def measure(nodes: int, mix: dict | None, reference: bool) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "bench.toml"
-            config.write_text(CONFIG.format(dir=Path(tmp) / "run", token=TOKEN))
+            config.write_text(CONFIG.format(dir=Path(tmp) / "run", token=TOKEN, deadline=args.deadline_s))
             with OrchestratorProcess(Path(tmp) / "server.log", config) as server:
-                out["loads"][str(nodes)] = asyncio.run(run_load(server.url, server.proc.pid, nodes, args.seconds, args.warmup,
-                                                                args.batch_every, console))
+                result = asyncio.run(run_load(server.url, server.proc.pid, nodes, args.seconds, args.warmup,
+                                              args.batch_every, console, reference, mix, args.nodes_per_address))
+                if mix:
+                    log = server.log()
+                    result["hostile_mix"]["server_log"] = {"expired_lines": log.count("expired ("),
+                                                           "tracebacks": log.count("Traceback")}
+                return result
+
+    for nodes in args.nodes:
+        clean = measure(nodes, None, not args.no_reference)
+        if not hostile:
+            out["loads"][str(nodes)] = clean
+            continue
+        attacked = measure(nodes, hostile, False)
+        a, b = clean["orchestrator"], attacked["orchestrator"]
+        out["loads"][str(nodes)] = {
+            "clean": clean, "hostile": attacked,
+            "honest_throughput_ratio": round(b["rps"] / a["rps"], 3) if a.get("rps") else None,
+            "honest_batches_ratio": (round(b["routes"]["announce"]["requests"] / a["routes"]["announce"]["requests"], 3)
+                                     if a["routes"].get("announce", {}).get("requests") else None),
+            "honest_p99_ms": {"clean": a.get("p99_ms"), "hostile": b.get("p99_ms")},
+            "honest_errors": {"clean": a.get("errors"), "hostile": b.get("errors")}}
     out["load_average_at_end"] = os.getloadavg()  # the machine is shared: other processes compete for the cores
     print(json.dumps(out, indent=1))
 
