@@ -146,13 +146,17 @@ def test_relays_wait_for_the_announcement_and_mirror_only_the_pinned_manifest(se
         relays = [cluster.relay(f"{hostile},{honest}" if i % 2 else f"{honest},{hostile}", "--orchestrator",
                                 orchestrator.url, "--shardcast.timeout_s", "3", name=f"relay{i}")
                   for i in range(3)]
-        wait_until(lambda: orchestrator.requests >= 3, 20, "the relays to ask the orchestrator")
+        # a relay whose only upstream is hostile: whichever server a client picks first, this one has no choice
+        cheated_url, cheated = cluster.relay(hostile, "--orchestrator", orchestrator.url, "--shardcast.timeout_s",
+                                             "3", name="relay-hostile-only")
+        wait_until(lambda: orchestrator.requests >= 4, 20, "the relays to ask the orchestrator")
         assert all(get_json(f"{url}/versions")["versions"] == [] for url, _ in relays)  # v1 is not announced yet
         orchestrator.doc = {"version": 1, "min_version": 0, "manifests": {"1": pin}, "announced_at": 1.0}
         for i, (url, proc) in enumerate(relays):
             wait_until(lambda: get_json(f"{url}/versions")["latest"] == 1, 30, f"relay{i} to mirror v1")
             assert_landed(tmp_path / f"relay{i}", 1, honest_files, weights)
-        assert any("offers another manifest" in proc.stderr() for _, proc in relays)
+        wait_until(lambda: "offers another manifest" in cheated.stderr(), 30, "the hostile-only relay to distrust it")
+        assert get_json(f"{cheated_url}/versions")["versions"] == []
     finally:
         cluster.close()
         orchestrator.close()
