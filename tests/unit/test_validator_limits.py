@@ -414,18 +414,18 @@ def test_a_batch_the_orchestrator_takes_no_verdict_on_is_not_judged_again_and_ag
 
     class Loop(FakeClient):
         def register(self, role, hardware, challenge_answer=None):
-            policy = types.SimpleNamespace(version=0, relays=[])
+            policy = types.SimpleNamespace(version=0, relays=[], manifests={})
             return types.SimpleNamespace(status="admitted", challenge=None, node_key=NODE, policy=policy,
                                          requirements=types.SimpleNamespace(heartbeat_interval_s=0.01))
 
         def heartbeat(self, versions, metrics):
-            return types.SimpleNamespace(policy=types.SimpleNamespace(relays=[]))
+            return types.SimpleNamespace(policy=types.SimpleNamespace(relays=[], manifests={}))
 
         def claim(self, lease_s):
             claims.append(1)
             if len(claims) >= 6:
                 validator.stop.event.set()
-            return types.SimpleNamespace(batch=record)
+            return types.SimpleNamespace(batch=record, manifest_sha256=None)
 
         def deregister(self):
             return None
