@@ -424,7 +424,8 @@ def database_report(run_dir: Path, cheater: str | None) -> dict:
         entry = {"accepted_batches": sum(r["state"] == "accepted" for r in rows),
                  "rejected_batches": sum(r["state"] == "rejected" for r in rows),
                  "accepted_samples": sum(r["num_samples"] or 0 for r in rows if r["state"] == "accepted"),
-                 "accepted_read_by_learner": sum(r["state"] == "accepted" and r["delivered_at"] is not None for r in rows),
+                 "accepted_read_by_learner": sum(r["state"] == "accepted" and r["delivered_at"] is not None
+                                                 for r in rows),
                  "other_states": {s: sum(r["state"] == s for r in rows) for s in ("open", "submitted", "lost")},
                  "rejections_by_check": failed, "banned": bool(node["banned"])}
         if node["banned"]:
@@ -539,7 +540,8 @@ def main() -> int:
                                                          "b (replayable, exact replay), c (honest only)")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "poisoning")
-    parser.add_argument("--sft-steps", type=int, default=25, help="the demo's warm start (0: start from the tiny model)")
+    parser.add_argument("--sft-steps", type=int, default=25,
+                        help="the demo's warm start (0: start from the tiny model)")
     parser.add_argument("--eval-samples", type=int, default=4, help="sampled outputs per held-out task")
     args = parser.parse_args()
     args.phrase = codecs.decode(args.phrase, "unicode_escape")

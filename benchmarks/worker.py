@@ -9,8 +9,8 @@ Per config (a tiny random model from `intellect.tiny_model`, run in the given dt
 - one `gpu_workers.engine.Engine` (in-process vLLM, eager) generates an assignment's batch: `--prompts`
   prompts drawn from a fixed pool of random-token prompts by `bridge.assignment` (node key, version 0,
   assignment k = the round), `--samples` samples each with the assignment's seeds, `--max-tokens` new tokens,
-  temperature 1 and top-p 0.95. Each round generates the batch twice on the SAME engine: `generate(...,
-  proofs=True)` (capture hook recording, hidden states sorted per request, proofs built) and
+  temperature 1 and top-p 0.95 (`--top-p`). Each round generates the batch twice on the SAME engine:
+  `generate(..., proofs=True)` (capture hook recording, hidden states sorted per request, proofs built) and
   `generate(..., proofs=False)` (hook inactive, no proofs), the order alternating round by round so that
   noise from a shared machine hits both alike. Worker samples/s and tokens/s are per side; `on_over_off`
   is the median of the per-round ratios (target >= 0.95) and the ratio of the best runs. A shared machine
@@ -179,7 +179,8 @@ def _install_bench_samplers(worker) -> dict:
     if not hasattr(runner, "bench_samplers"):
         if not isinstance(runner.sampler, ReplayableSampler):
             raise RuntimeError("the engine was expected to start with the replayable sampler (EngineSettings default)")
-        runner.bench_samplers = {"replayable": runner.sampler, "vllm": Sampler(logprobs_mode=runner.sampler.logprobs_mode)}
+        runner.bench_samplers = {"replayable": runner.sampler,
+                                 "vllm": Sampler(logprobs_mode=runner.sampler.logprobs_mode)}
     return runner.bench_samplers
 
 
@@ -265,7 +266,8 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
             "vllm": {"tokens_per_s": _best_median(vllm_tps),
                      "sampler_work_s": round(statistics.median(r["work_vllm"] for r in rows), 4)},
             "seconds_per_round": {name: [round(r[name], 3) for r in rows] for name in ("replayable", "vllm")},
-            "replayable_over_vllm": {"median_of_rounds": round(ratio, 3), "of_best": round(max(rep_tps) / max(vllm_tps), 3),
+            "replayable_over_vllm": {"median_of_rounds": round(ratio, 3),
+                                     "of_best": round(max(rep_tps) / max(vllm_tps), 3),
                                      "from_sampler_work": round(from_work, 3), "target": 0.95,
                                      "meets_target": ratio >= 0.95},
         },
@@ -275,7 +277,8 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
             "prefill_s_per_sample": round(statistics.median(r["prefill_replay"] for r in rows) / n, 5),
             "replay_check_s_per_sample": round(statistics.median(replay_work) / n, 5),
             "replay_over_prefill": {"median_of_rounds": round(over_prefill, 4),
-                                    "max_of_rounds": round(max(w / r["prefill_replay"] for w, r in zip(replay_work, rows)), 4),
+                                    "max_of_rounds": round(max(w / r["prefill_replay"]
+                                                               for w, r in zip(replay_work, rows)), 4),
                                     "target": 0.10, "meets_target": over_prefill <= 0.10},
             "wall_clock_added_over_prefill": round(wall_added, 4),
             "batches_accepted": {side: args.repeat - sum(x["declared"] == side for x in rejected)
@@ -315,7 +318,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     timed = {"prefill": _Timed(prefill.run), "computation_check": _Timed(checks.check_computation_batch),
              "sampling_check": _Timed(checks.check_sampling_batch), "replay_check": _Timed(checks.check_replay_batch)}
     prefill.run = timed["prefill"]
-    declared = Declared(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=args.max_tokens,
+    declared = Declared(temperature=TEMPERATURE, top_p=args.top_p, max_tokens=args.max_tokens,
                         stop_token_ids=stops, max_model_len=max_model_len, dtype=dtype)
     n = args.prompts * args.samples
 
@@ -327,7 +330,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
         prompts, seeds, _ = batch(k)
         prompts, seeds = prompts[:count], seeds[:count]
         start = time.perf_counter()
-        out = engine.generate(prompts, seeds, temperature=TEMPERATURE, top_p=TOP_P, max_tokens=args.max_tokens,
+        out = engine.generate(prompts, seeds, temperature=TEMPERATURE, top_p=args.top_p, max_tokens=args.max_tokens,
                               proofs=proofs)
         return out, time.perf_counter() - start
 
@@ -350,7 +353,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     model = {"name": name, "hidden": config["hidden_size"], "layers": config["num_hidden_layers"],
              "heads": config["num_attention_heads"], "vocab": config["vocab_size"], "dtype": dtype,
              "logit_scale": logit_scale}
-    result: dict = {"model": model, "samples_per_batch": n, "max_tokens": args.max_tokens}
+    result: dict = {"model": model, "samples_per_batch": n, "max_tokens": args.max_tokens, "top_p": args.top_p}
     if "sampler" in args.parts:
         result["sampler"] = run_sampler_rounds(engine, generate, validate, declared, args, progress, f"{name} {dtype}")
     if "proofs" not in args.parts:
@@ -421,6 +424,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (at most)")
     parser.add_argument("--pool", type=int, default=64, help="random-token prompts (16-64 tokens) the tasks draw from")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per config (order alternates)")
+    parser.add_argument("--top-p", type=float, default=TOP_P,
+                        help="top-p of generation and validation (temperature 1; the demo and INTELLECT-2 use 1.0)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="comma-separated: proofs (TOPLOC on vs off, full validation), sampler (replayable vs "
                              "vllm sampler, validation with vs without replay)")
