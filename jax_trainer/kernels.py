@@ -2,7 +2,9 @@
 
 Each function computes exactly what its plain `jax.numpy` formula computes; the custom VJP only changes how
 the backward pass is formed, because XLA's automatic transpose of these formulas is slow on CPU (measured in
-`benchmarks/train_step.py`; see `../shared/notes/jax-cpu.md`):
+`benchmarks/train_step.py`: on 2 CPU cores the straightforward jitted step ran at 0.5-0.8x eager PyTorch's
+tokens/s, the gradient of a log-softmax gather alone, a scatter plus a strided transpose, costing about a fifth of
+PyTorch's whole step; with these three functions the step reaches 0.9-1.0x):
 
 - `dense`: a contraction accumulating in float32. The backward pass is two contractions in the compute dtype
   with float32 accumulation, written so that both come out in the layout the caller needs (no transposes of

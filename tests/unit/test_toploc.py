@@ -1,13 +1,11 @@
 """TOPLOC codec against vectors made with the reference `toploc` 0.1.6, torch's own top-k, and malformed input.
 
-The vectors live in `shared/vectors/toploc/` beside the repository (or under `$INTELLECT_SHARED_DIR`); the
-vector tests are skipped, saying so, only when that directory is absent.
+The vectors are vendored in `tests/vectors/toploc/` (its README says how they were made).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -27,23 +25,17 @@ from gpu_workers.toploc import (
 )
 
 
-def _vectors_dir() -> Path:
-    shared = os.environ.get("INTELLECT_SHARED_DIR")
-    root = Path(shared) if shared else Path(__file__).resolve().parents[3] / "shared"
-    return root / "vectors" / "toploc"
-
-
-VECTORS = _vectors_dir()
+VECTORS = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "vectors" / "toploc"
 ACCEPTED = ("identical", "scale_1.01", "noise_0.004")
 REJECTED = ("scale_1.10", "other")
 
 
+def _case_list() -> list[dict]:
+    return json.loads((VECTORS / "cases.json").read_text())["cases"]
+
+
 def _cases() -> list:
-    if not (VECTORS / "cases.json").is_file():
-        return [pytest.param(None, marks=pytest.mark.skip(reason=f"no TOPLOC vectors at {VECTORS} "
-                                                                  "(set INTELLECT_SHARED_DIR to the shared dir)"))]
-    cases = json.loads((VECTORS / "cases.json").read_text())["cases"]
-    return [pytest.param(c, id=c["file"].removesuffix(".npz")) for c in cases]
+    return [pytest.param(c, id=c["file"].removesuffix(".npz")) for c in _case_list()]
 
 
 def _load(case: dict) -> dict[str, np.ndarray]:
@@ -94,10 +86,7 @@ def test_reference_thresholds_accept_and_reject(case):
 
 def test_batch_of_samples_matches_reference_bytes():
     """All vector cases (different hidden sizes and lengths) plus short samples in one `build_proofs_batch`."""
-    cases = json.loads((VECTORS / "cases.json").read_text())["cases"] if (VECTORS / "cases.json").is_file() else []
-    if not cases:
-        pytest.skip(f"no TOPLOC vectors at {VECTORS}")
-    cases = [c for c in cases if (c["chunk"], c["topk"]) == (32, 128)]
+    cases = [c for c in _case_list() if (c["chunk"], c["topk"]) == (32, 128)]
     arrays = [_load(c) for c in cases]
     short = [_random_hidden(1, 64, seed=4), _random_hidden(33, 64, seed=5)]  # chunks of fewer than 128 entries
     batch = build_proofs_batch([a["acts_identical"] for a in arrays] + short)
@@ -118,10 +107,7 @@ def test_torch_tensor_input_gives_the_same_bytes(case):
 
 def test_modulus_is_searched_downward_when_indices_collide():
     """Cases 3 and 5 each hold a chunk whose top-k indices collide mod 65497 (README of the vectors)."""
-    cases = {c["file"]: c for c in json.loads((VECTORS / "cases.json").read_text())["cases"]} \
-        if (VECTORS / "cases.json").is_file() else {}
-    if not cases:
-        pytest.skip(f"no TOPLOC vectors at {VECTORS}")
+    cases = {c["file"]: c for c in _case_list()}
     for name in ("case_3.npz", "case_5.npz"):
         arrays = _load(cases[name])
         ours = build_proofs(arrays["acts_identical"])
