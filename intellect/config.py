@@ -26,31 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from bridge.config import Dtype, Section
+from bridge.config import require as _require
 
 ENV_PREFIX = "INTELLECT_"
 # INTELLECT_* variables that are not config keys (INTELLECT_VLLM picks the vLLM wheel in setup.py).
 RESERVED_ENV = frozenset({"INTELLECT_VLLM"})
 
-Dtype = Literal["float32", "bfloat16", "float16"]
-
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key, its source and a fix."""
-
-
-def _require(ok: bool, keys: tuple[str, ...], message: str) -> None:
-    """Fail a cross-field check; `keys` (dotted) let the loader say where each value came from."""
-    if not ok:
-        raise PydanticCustomError("config_conflict", message, {"keys": keys})
-
-
-class Section(BaseModel):
-    """Base of every section: unknown keys are errors and attribute docstrings become descriptions."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
 class ModelConfig(Section):
