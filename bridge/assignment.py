@@ -1,4 +1,4 @@
-"""The deterministic assignment (DESIGN section 8): which prompts a node's k-th assignment at version v holds.
+"""The deterministic assignment (docs/design.md section 8): which prompts a node's k-th assignment at version v holds.
 
 The orchestrator hands out assignment numbers, not free choices: the task ids and the sampling seeds of a
 node's k-th assignment at policy version v follow from (node key, v, k) alone. A validator recomputes them

@@ -1,4 +1,4 @@
-"""The orchestrator's API as every role sees it (DESIGN section 8): messages, request signing, the deterministic
+"""The orchestrator's API as every role sees it (docs/design.md section 8): messages, request signing, the deterministic
 assignment, the compute challenge, and the client that workers, validators and the learner use.
 
 The service (`orchestrator/`) declares its routes with these same models, so the two sides cannot drift apart.
@@ -40,7 +40,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# Re-exported: DESIGN section 8 puts the deterministic assignment here; bridge.assignment is its one implementation.
+# Re-exported: docs/design.md §8 puts the deterministic assignment here; bridge.assignment is its one implementation.
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids, assignment_seed  # noqa: F401
 
 
@@ -199,7 +199,7 @@ class HeartbeatResponse(Reply):
 
 
 class BatchAnnouncement(Request):
-    """A batch committed to the rollout store (DESIGN section 6) for one assignment."""
+    """A batch committed to the rollout store (docs/design.md section 6) for one assignment."""
 
     batch_id: BatchId
     assignment_id: int = Field(ge=0, le=MAX_INT)

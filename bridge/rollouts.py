@@ -1,4 +1,4 @@
-"""Rollout batches on tensorstore (DESIGN section 6): the schema, a writer, a validating reader, listing, pruning.
+"""Rollout batches on tensorstore (docs/design.md §6): the schema, a writer, a validating reader, listing, pruning.
 
 A batch is one assignment's output (G completions for each of P prompts), stored under
 `<store>/v{version:06d}/{batch_id}/` on any tensorstore kvstore:
@@ -26,7 +26,7 @@ language can recompute it:
 
     digest = sha256(
         b"intellect-rollout-batch/1\\n"
-        + for each field in the order of `FIELDS` (the order of the DESIGN table):
+        + for each field in the order of `FIELDS` (the order of the table in docs/design.md section 6):
               name + b"\\n" + dtype + b"\\n" + u64le(number of elements) + sha256(values)
         + b"meta.json\\n" + u64le(len(meta)) + sha256(meta))
 
@@ -70,7 +70,7 @@ import tensorstore as ts
 from bridge.protocol import BATCH_ID_PATTERN
 
 SCHEMA_VERSION = 1
-PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (DESIGN section 7)
+PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (docs/design.md section 7)
 PROOF_CHUNK_TOKENS = 32  # decode steps covered by one proof
 DIGEST_DOMAIN = b"intellect-rollout-batch/1\n"
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -226,7 +226,7 @@ class ReadLimits:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutBatch:
-    """One batch: `meta` and the arrays of `FIELDS` (flat, with offsets; see DESIGN section 6)."""
+    """One batch: `meta` and the arrays of `FIELDS` (flat, with offsets; see docs/design.md section 6)."""
 
     meta: BatchMeta
     tokens: np.ndarray

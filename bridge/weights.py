@@ -1,4 +1,4 @@
-"""JAX parameters <-> Hugging Face safetensors directories (DESIGN section 4).
+"""JAX parameters <-> Hugging Face safetensors directories (docs/design.md section 4).
 
 The model side describes its parameters with `TensorSpec`s (where the array sits in the parameter tree, its
 HF name, and how the HF layout maps to the JAX layout); this module moves bytes, one tensor at a time:
@@ -6,7 +6,7 @@ HF name, and how the HF layout maps to the JAX layout); this module moves bytes,
 - `load_params(model_dir, specs, shardings, dtype)` reads a single-file or sharded safetensors checkpoint into
   sharded `jax.Array`s. Each device's slice is read from a memory map, so a host never holds the whole
   model, and replicated tensors are materialised once per tensor, never all at once.
-- `export_params(arrays, specs, out_dir, version=..., source_dir=...)` writes the layout of DESIGN section 4:
+- `export_params(arrays, specs, out_dir, version=..., source_dir=...)` writes the layout of docs/design.md section 4:
   `model-0000k-of-0000n.safetensors` up to `max_shard_bytes` each, `model.safetensors.index.json`, the
   config and tokenizer files of `source_dir`, `manifest.json` (size and sha256 of every file) and `STABLE`
   last. Files are written into a hidden temporary directory that is renamed into place, so a reader never

@@ -9,7 +9,7 @@
   (`bridge.assignment`), and each prompt is the task's prompt.
 - `check_reward`: the reward recomputed by the reward function equals the claimed one.
 
-`validate_batch` runs them all on a batch (samples from `samples_from_arrays`, the DESIGN section 6 arrays)
+`validate_batch` runs them all on a batch (samples from `samples_from_arrays`, the docs/design.md section 6 arrays)
 with a `gpu_workers.prefill.Prefill` and aggregates the sample verdicts into a `BatchVerdict`; it runs the
 computation and sampling checks on each prefill group at once (`check_computation_batch`,
 `check_sampling_batch`: the same verdicts, per-call costs paid once). A sample or batch that is malformed
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from gpu_workers.prefill import Prefill
 
 FINISH_STOP = 0
-"""`finish` of a completion that ended with a stop token (DESIGN section 6)."""
+"""`finish` of a completion that ended with a stop token (docs/design.md section 6)."""
 FINISH_LENGTH = 1
 """`finish` of a completion cut at max_tokens (or at the model's context length)."""
 _SHOWN = 3  # offending positions quoted per reason
@@ -146,7 +146,7 @@ class BatchVerdict:
 
 @dataclass(frozen=True)
 class Sample:
-    """One sample of a rollout batch (DESIGN section 6), as the checks read it."""
+    """One sample of a rollout batch (docs/design.md section 6), as the checks read it."""
 
     prompt_tokens: np.ndarray
     """int [P]"""
@@ -249,7 +249,7 @@ def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
 
 
 def samples_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Sample]:
-    """Split a batch's flat arrays (DESIGN section 6 names) into samples; ValueError names a bad field."""
+    """Split a batch's flat arrays (docs/design.md section 6 names) into samples; ValueError names a bad field."""
     required = ("tokens", "offsets", "prompt_lens", "logprobs", "task_ids", "group_ids", "seeds", "finish",
                 "rewards", "proofs", "proof_offsets")
     missing = [name for name in required if name not in arrays]

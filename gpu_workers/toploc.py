@@ -1,7 +1,7 @@
 """TOPLOC proofs: commit to a sample's decode-step hidden states, and check a commitment against a recomputation.
 
 Byte-compatible with the reference implementation (PyPI `toploc` 0.1.6, the C++ tensor path that
-`build_proofs_bytes` / `verify_proofs_bytes` take with `skip_prefill=True`); DESIGN.md section 7 states the
+`build_proofs_bytes` / `verify_proofs_bytes` take with `skip_prefill=True`); docs/design.md section 7 states the
 format. Per chunk of `chunk` rows (the last may be shorter), flattened row-major:
 
 1. Top-k by absolute value, computed by torch's CPU `topk` on the chunk's `abs()` exactly as the reference

@@ -6,7 +6,7 @@ One loop, driven by heartbeats:
    the node's open assignments (oldest first);
 2. a newer policy version starts downloading in a background thread (SHARDCAST), while generation carries on
    with a version already held: the orchestrator assigns work at the newest version in the async window that
-   the worker says it holds (DESIGN section 3);
+   the worker says it holds (docs/design.md section 3);
 3. the oldest open assignment is generated at its version (swapping the engine's weights in place when the
    version changes), scored, written to the rollout store (`bridge.rollouts`, COMMIT last) and announced.
 

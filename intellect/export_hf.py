@@ -1,5 +1,5 @@
 """`intellect export CKPT_DIR OUT [--step N] [--dtype bfloat16] [--config CONFIG]`: a learner checkpoint as
-a Hugging Face directory (DESIGN section 4 layout: shards, index, manifest with sha256, STABLE last), the
+a Hugging Face directory (docs/design.md section 4 layout: shards, index, manifest with sha256, STABLE last), the
 same files the learner exports for workers. The model is rebuilt from the config.json recorded in the
 checkpoint, and the base model's tokenizer files are copied next to the weights.
 """

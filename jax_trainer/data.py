@@ -2,7 +2,7 @@
 
 `RolloutPipeline` is the production `BatchSource` (`jax_trainer/source.py`). Its input is the list of batches
 the validators accepted, behind the small `AcceptedBatches` interface: the orchestrator client
-(`GET /v1/batches?status=accepted&min_version=`, DESIGN section 8) implements it for a pool;
+(`GET /v1/batches?status=accepted&min_version=`, docs/design.md section 8) implements it for a pool;
 `StoreListing` implements it over a store's own listing for tests and single-box runs.
 
 Structure, and why:

@@ -2,7 +2,7 @@
 
 For each step n (n = optimizer steps applied so far = the version being trained from), the source yields
 rollouts of versions v with n - v <= async_level; the jitted step trains on them; every `export_interval`
-steps the parameters are exported as `weights/v{version:06d}` (DESIGN section 4) and `announce(version, dir)`
+steps the parameters are exported as `weights/v{version:06d}` (docs/design.md section 4) and `announce(version, dir)`
 tells the pool (the orchestrator client's `POST /v1/policy` in a real run); every `checkpoint_interval` steps
 an orbax checkpoint saves the state and the source's cursor. Each step appends one JSON line to
 `metrics.jsonl` (loss parts, clip fractions, ratio, entropy, mismatch KL, grad norms, tokens, throughput,

@@ -1,7 +1,7 @@
 """Where the learner's batches come from: the `BatchSource` interface and an in-memory source.
 
 The learner asks for the batch of step n and accepts only rollouts of versions v with n - v <= async_level
-(DESIGN section 3). A source blocks until it has one, and its cursor (JSON) goes into every checkpoint so that
+(docs/design.md section 3). A source blocks until it has one, and its cursor (JSON) goes into every checkpoint so that
 a resumed learner neither retrains nor skips a batch. The rollout-store pipeline (`jax_trainer/data.py`) is
 the production source; `InMemorySource` serves tests and the synthetic examples.
 """

@@ -1,4 +1,4 @@
-"""The coordination service (DESIGN section 8), started with `intellect orchestrator CONFIG`.
+"""The coordination service (docs/design.md section 8), started with `intellect orchestrator CONFIG`.
 
 `app` the FastAPI routes, `fast_lane` the hot node routes' table and their lane in front of FastAPI, `db` storage
 and schema versions, `durability` group commit for SQLite, `auth` signed requests, replays across restarts, the

@@ -1,4 +1,4 @@
-"""The orchestrator service: `create_app(cfg)` is the FastAPI application (DESIGN section 8).
+"""The orchestrator service: `create_app(cfg)` is the FastAPI application (docs/design.md section 8).
 
 Handlers are coroutines that call the database synchronously, so each request's reads and writes run without
 interleaving with another's: the scheduler's decisions (pacing, claims, k counters) and its in-memory caches
@@ -256,7 +256,7 @@ def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url
 
     app = _Service(title="intellect orchestrator", version=str(PROTOCOL_VERSION), lifespan=lifespan,
                   description="Admission, heartbeats, deterministic work, verdicts and the contribution ledger of a "
-                              "decentralized RL run (DESIGN section 8). Node routes are signed with ed25519.")
+                              "decentralized RL run (docs/design.md section 8). Node routes are signed with ed25519.")
     app.state.orchestrator = svc
 
     @app.exception_handler(RequestValidationError)

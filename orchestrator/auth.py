@@ -1,4 +1,4 @@
-"""Who may call what: signed node requests (DESIGN section 8), the admin bearer token, and the per-node rate
+"""Who may call what: signed node requests (docs/design.md section 8), the admin bearer token, and the per-node rate
 limit on batch announcements.
 
 A signed request is refused with 401 when a header is missing or malformed, the key is weak (a point of small

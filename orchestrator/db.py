@@ -7,7 +7,7 @@ crash of the machine. PostgreSQL works through a URL (`postgresql+psycopg://user
 installed); it makes its own commits durable.
 
 One table holds the work: an assignment row gets its batch's fields when the worker announces the batch
-(a batch is the output of exactly one assignment, DESIGN section 6), and the verdict's when a validator judges
+(a batch is the output of exactly one assignment, docs/design.md section 6), and the verdict's when a validator judges
 it. Its `state` is the life of that work:
 
     open --announce--> submitted --verdict--> accepted | rejected
@@ -92,7 +92,7 @@ class Work(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
     version: Mapped[int] = mapped_column(Integer)
-    k: Mapped[int] = mapped_column(Integer)  # the node's k-th assignment at this version (DESIGN section 8)
+    k: Mapped[int] = mapped_column(Integer)  # the node's k-th assignment at this version (docs/design.md section 8)
     prompts: Mapped[int] = mapped_column(Integer)
     samples_per_prompt: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16))

@@ -1,7 +1,7 @@
 """Work: the policy version, deterministic assignments paced by the async window, batch announcements,
 validation claims with leases, verdicts, and the learner's listing of accepted batches.
 
-Pacing (DESIGN section 3). With current version V, the learner's next steps train on versions in
+Pacing (docs/design.md section 3). With current version V, the learner's next steps train on versions in
 [V - async_level, V]. Work "in the window" is an open assignment, a submitted batch, or an accepted batch the
 learner has not read yet, at a version in the window. At most `(async_level + 1) x assignments_per_step` of it
 exist at once, where assignments_per_step = ceil(data.prompts_per_step / orchestrator.prompts_per_assignment):
@@ -272,7 +272,7 @@ class WorkScheduler:
                                 f"{work.prompts} prompts x {work.samples_per_prompt} samples = {expected_samples}")
             suffix = f"v{msg.version:06d}/{msg.batch_id}"
             if not msg.store_path.rstrip("/").endswith(suffix):
-                problems.append(f"store_path: {msg.store_path!r} does not end with {suffix!r} (DESIGN section 6)")
+                problems.append(f"store_path: {msg.store_path!r} does not end with {suffix!r} (docs/design.md §6)")
             if problems:
                 raise HTTPException(422, [{"loc": ["body", p.split(":")[0]], "msg": p, "type": "value_error"}
                                           for p in problems])

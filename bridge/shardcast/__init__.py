@@ -1,4 +1,4 @@
-"""SHARDCAST: policy weights from the learner's origin, through relays, to every worker (DESIGN section 5).
+"""SHARDCAST: policy weights from the learner's origin, through relays, to every worker (docs/design.md section 5).
 
 - `origin` serves the learner's weights directory; `relay` mirrors upstreams and serves what it verified;
   both answer the same HTTP protocol (`server`), so relays chain.

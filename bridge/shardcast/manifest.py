@@ -1,4 +1,4 @@
-"""The manifest of a version (DESIGN section 4): parsed from untrusted bytes, checked against a directory.
+"""The manifest of a version (docs/design.md section 4): parsed from untrusted bytes, checked against a directory.
 
 `parse_manifest` accepts only what `bridge.weights.export_params` writes: `{"version", "files": [{"name",
 "size", "sha256"}...], "total_size", "created"}` with plain, distinct file names, sizes that add up to

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from bridge.shardcast.errors import ShardcastError
 
-# The weights layout's names (DESIGN section 4, `bridge.weights`), spelled out here so that origins, relays and
+# The weights layout's names (docs/design.md section 4, `bridge.weights`), spelled out here so that origins, relays and
 # clients do not import numpy and the weight converters with it (a test checks that the two agree).
 MANIFEST_FILE = "manifest.json"
 STABLE_FILE = "STABLE"

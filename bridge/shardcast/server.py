@@ -1,4 +1,4 @@
-"""The HTTP side of an origin or a relay (DESIGN section 5), on aiohttp's low-level server.
+"""The HTTP side of an origin or a relay (docs/design.md section 5), on aiohttp's low-level server.
 
 Routes: `GET /versions[?after=N&wait=S]` (long-poll), `GET /v/{version}/manifest.json`,
 `GET /v/{version}/{file}` (`Range` honoured, bytes sent with `sendfile`), `GET /healthz`; HEAD works where

@@ -149,7 +149,7 @@ def export_hf(
     max_shard_bytes: int = 2 << 30,
     fsync: bool = True,
 ) -> ExportResult | None:
-    """Write `model` as a Hugging Face directory (DESIGN section 4) loadable by transformers and vLLM."""
+    """Write `model` as a Hugging Face directory (docs/design.md section 4) loadable by transformers and vLLM."""
     return export_params(model_arrays(model), tensor_specs(model.cfg), out_dir, version=version,
                          source_dir=source_dir, hf_config=hf_config, dtype=dtype,
                          max_shard_bytes=max_shard_bytes, fsync=fsync)

@@ -36,7 +36,7 @@ def payload(version: int, big: int = 6 * MIB) -> dict[str, bytes]:
 
 
 def publish(root: Path, version: int, files: dict[str, bytes]) -> None:
-    """The learner's side of DESIGN section 4, written independently of bridge.weights: files and manifest
+    """The learner's side of docs/design.md section 4, written independently of bridge.weights: files and manifest
     in a hidden directory, renamed into place, then STABLE."""
     staging = root / f".staging-{version}"
     staging.mkdir(parents=True)

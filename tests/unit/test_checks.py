@@ -216,7 +216,7 @@ def test_computation_splits_the_stored_proofs_and_rejects_bad_lengths():
 
 
 def _pack(samples: list[Sample]) -> dict[str, np.ndarray]:
-    """The DESIGN section 6 arrays of `samples` (prompt logprobs 0)."""
+    """The docs/design.md section 6 arrays of `samples` (prompt logprobs 0)."""
     lengths = [len(s.prompt_tokens) + len(s.completion_tokens) for s in samples]
     return {
         "tokens": np.concatenate([np.r_[s.prompt_tokens, s.completion_tokens] for s in samples]).astype(np.int32),

@@ -25,7 +25,7 @@ POLICY = {"version": 3, "learner_step": 3, "async_level": 2, "min_version": 1, "
 def test_signature_is_ed25519_over_the_design_string():
     body = b'{"role":"worker"}'
     headers = sign_request(KEY, "post", "/v1/nodes/register?x=1", body, timestamp_ms=1700000000123, nonce="ab" * 8)
-    # The DESIGN section 8 string, built here by hand, verified with cryptography directly.
+    # The docs/design.md section 8 string, built here by hand, verified with cryptography directly.
     expected = f"POST\n/v1/nodes/register?x=1\n1700000000123\n{'ab' * 8}\n{hashlib.sha256(body).hexdigest()}"
     public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(headers["X-Node-Key"]))
     public.verify(bytes.fromhex(headers["X-Signature"]), expected.encode())  # raises if wrong

@@ -1,6 +1,6 @@
 """SHARDCAST's validation of names, versions, server URLs and manifests, and its weighted server choice.
 
-Manifests are written here with hashlib and json (the layout of DESIGN section 4), and `bridge.weights`'
+Manifests are written here with hashlib and json (the layout of docs/design.md section 4), and `bridge.weights`'
 own `verify_manifest` serves as the independent judge of what a valid version directory is.
 """
 
