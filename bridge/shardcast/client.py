@@ -66,12 +66,16 @@ class ShardcastClient:
     def __init__(self, servers: str | Iterable[str], *, timeout: float = 30.0, patience: float = 300.0,
                  parallel: int = 0, part_bytes: int = 64 << 20, max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
                  fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None,
-                 direct_io: bool = True, buffer_bytes: int = 32 << 20):
+                 direct_io: bool = True, buffer_bytes: int = 32 << 20, use_deltas: bool = True,
+                 mirror_deltas: bool = False):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
         concurrent downloads, 0 for one per CPU up to 4 (receiving and hashing are CPU work: more streams than
         cores only contend); `direct_io`: land files with O_DIRECT from 2 * parallel + 2 buffers of
-        `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it."""
+        `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it;
+        `use_deltas`: rebuild files from versions held in the output directory where the manifest lists deltas
+        (`bridge.shardcast.delta`); `mirror_deltas`: land the delta files too (relays, which serve them)."""
+        self.use_deltas, self.mirror_deltas = use_deltas, mirror_deltas
         self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.timeout, self.patience, self.part_bytes = timeout, patience, part_bytes
@@ -208,11 +212,12 @@ class ShardcastClient:
             refresh=lambda: {s for s, vs in self.versions().items() if version in vs} - impostors,
             timeout=self.timeout, patience=self.patience, parallel=self.parallel, part_bytes=self.part_bytes,
             fsync=self.fsync, use_splice=self.use_splice, buffers=self.buffers, on_progress=on_progress,
-            replace_held=manifest_sha256 is not None)
+            replace_held=manifest_sha256 is not None, use_deltas=self.use_deltas, mirror_deltas=self.mirror_deltas)
         result = download.run()
         if not result.already_present:
-            log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s)", version_dirname(version),
-                     result.received_bytes / 2**20, result.seconds, result.mb_per_s)
+            log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s; %d of %d files rebuilt from deltas)",
+                     version_dirname(version), result.received_bytes / 2**20, result.seconds, result.mb_per_s,
+                     result.rebuilt_files, len(manifest.files))
         return result
 
     def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int]:

@@ -85,15 +85,15 @@ def allocate(path: Path, size: int) -> None:
             f.truncate(size)
 
 
-def read_journal(partial: Path, manifest: Manifest) -> dict | None:
+def read_journal(partial: Path, manifest: Manifest, entries=None) -> dict | None:
     """Per file name: {"verified": bool, "parts": [[start, length, done], ...]}, or None when there is no
-    usable journal for this manifest."""
+    usable journal for this manifest (and these `entries`, the manifest's files unless given)."""
     try:
         doc = json.loads((partial / JOURNAL).read_text())
         if doc["manifest_sha256"] != manifest.sha256:
             return None
         files = doc["files"]
-        for entry in manifest.files:
+        for entry in manifest.files if entries is None else entries:
             saved = files[entry.name]
             pos = 0
             for start, length, done in saved["parts"]:

@@ -10,6 +10,12 @@ fetch; with several sources the culprit is unknown, so the file is fetched again
 (through the page cache). Every `REFRESH_S` the servers are asked
 again who holds the version, so relays that finish mirroring it join a long fetch. Progress is journaled
 every second (`disk`), so a fetch that is killed resumes where it stood.
+
+Deltas (`bridge.shardcast.delta`): before the parts, every file the manifest has a delta for, against a version
+held complete in `bases_root`, is rebuilt from that base and the delta (fetched whole from one server at a time
+and checked against its sha256: a server whose delta fails it is distrusted), then checked against the file's
+own sha256; a file that cannot be rebuilt (no base, a corrupt base, no server with a good delta) is fetched in
+full like any other. A relay (`mirror_deltas`) also lands the delta files themselves, to serve them.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bridge.shardcast import delta as deltas
 from bridge.shardcast import disk
 from bridge.shardcast.direct import BufferPool, open_direct, write_part
 from bridge.shardcast.errors import FetchError, NotFound, ShardcastError, TransferError
-from bridge.shardcast.manifest import FileEntry, Manifest
+from bridge.shardcast.manifest import DeltaEntry, FileEntry, Manifest
 from bridge.shardcast.names import STABLE_FILE, ServerURL, version_dirname
 from bridge.shardcast.pool import ServerPool
 from bridge.shardcast.transfer import (HAVE_SPLICE, check_status, open_get, receive_into_buffer,
@@ -55,6 +62,7 @@ class FetchResult:
     servers: dict[str, dict]  # per server URL: bytes, errors, distrusted
     already_present: bool = False
     direct_io: bool = False  # the bytes went to disk with O_DIRECT, not through the page cache
+    rebuilt_files: int = 0  # files rebuilt from a held base and a delta
 
     @property
     def mb_per_s(self) -> float:
@@ -64,7 +72,8 @@ class FetchResult:
         return {"version": self.version, "path": str(self.path), "total_bytes": self.total_bytes,
                 "received_bytes": self.received_bytes, "resumed_bytes": self.resumed_bytes,
                 "seconds": round(self.seconds, 4), "mb_per_s": round(self.mb_per_s, 1), "servers": self.servers,
-                "already_present": self.already_present, "direct_io": self.direct_io}
+                "already_present": self.already_present, "direct_io": self.direct_io,
+                "rebuilt_files": self.rebuilt_files}
 
 
 class _Part:
@@ -116,6 +125,14 @@ class _Tried:
     backoff: float = 0.1
 
 
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(HASH_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _split(size: int, part_bytes: int, first: int = 0) -> list[_Part]:
     return [_Part(start, min(part_bytes, size - start)) for start in range(first, size, part_bytes)]
 
@@ -127,10 +144,18 @@ class Download:
                  refresh: Callable[[], set[ServerURL]], timeout: float, patience: float, parallel: int,
                  part_bytes: int, fsync: bool = True, use_splice: bool = HAVE_SPLICE,
                  buffers: BufferPool | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 replace_held: bool = False):
+                 replace_held: bool = False, use_deltas: bool = True, mirror_deltas: bool = False,
+                 bases_root: Path | None = None):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
-        fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error."""
+        fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
+        `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
+        has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them)."""
         self.manifest, self.version = manifest, manifest.version
+        self.use_deltas = use_deltas and deltas.HAVE_ZSTD
+        self.entries: list[FileEntry] = list(manifest.files) + (list(manifest.deltas) if mirror_deltas else [])
+        self.total = sum(e.size for e in self.entries)
+        self.bases_root = Path(bases_root if bases_root is not None else root)
+        self._rebuilt = 0
         self.replace_held = replace_held
         self.root = Path(root)
         self.final = self.root / version_dirname(self.version)
@@ -195,20 +220,25 @@ class Download:
             lock_path.unlink(missing_ok=True)
         return FetchResult(self.version, self.final, self.manifest.total_size, self._received, self._resumed,
                            time.monotonic() - t0, self._server_summary(),
-                           direct_io=any(f.direct for f in self._files))
+                           direct_io=any(f.direct for f in self._files), rebuilt_files=self._rebuilt)
 
     def _prepare(self) -> None:
         """Files and parts, restored from the journal of an interrupted fetch of the same manifest."""
-        journal = disk.read_journal(self.partial, self.manifest)
+        journal = disk.read_journal(self.partial, self.manifest, self.entries)
         if journal is None and self.partial.exists():
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
         fresh = []
         part_bytes = min(self.part_bytes, self.buffers.size) if self._direct else self.part_bytes
-        for entry in self.manifest.files:
+        rebuilt = self._rebuild(journal) if self.use_deltas and self.manifest.deltas else set()
+        for entry in self.entries:
             path = self.partial / entry.name
             saved = journal.get(entry.name) if journal else None
-            if saved is not None and path.is_file() and path.stat().st_size == entry.size:
+            if entry.name in rebuilt:
+                f = _File(entry, path, [_Part(p.start, p.length, p.length) for p in _split(entry.size, part_bytes)],
+                          threading.Condition(self._lock))
+                f.verified = True
+            elif saved is not None and path.is_file() and path.stat().st_size == entry.size:
                 parts = [_Part(*p) for p in saved["parts"]]
                 if self._direct and not saved["verified"]:  # whole parts stay; the rest is fetched anew
                     parts = [q for p in parts for q in ([p] if p.done == p.length else
@@ -220,7 +250,8 @@ class Download:
             else:
                 f = _File(entry, path, _split(entry.size, part_bytes), threading.Condition(self._lock))
                 fresh.append(f)
-            self._resumed += entry.size if f.verified else sum(p.done for p in f.parts)
+            if entry.name not in rebuilt:
+                self._resumed += entry.size if f.verified else sum(p.done for p in f.parts)
             self._files.append(f)
             if f.verified:
                 self._landed += 1
@@ -264,7 +295,7 @@ class Download:
                 if self.on_progress is not None:
                     self._lock.release()
                     try:
-                        self.on_progress(done, self.manifest.total_size)
+                        self.on_progress(done, self.total)
                     finally:
                         self._lock.acquire()
                 if time.monotonic() - last_journal >= JOURNAL_EVERY_S:
@@ -282,7 +313,124 @@ class Download:
         if self._error is not None:
             raise self._error
         if self.on_progress is not None:
-            self.on_progress(self.manifest.total_size, self.manifest.total_size)
+            self.on_progress(self.total, self.total)
+
+    # ---- deltas ---------------------------------------------------------------------------------------
+
+    def _rebuild(self, journal: dict | None) -> set[str]:
+        """Rebuild the files that have a delta against a held base (before any part is fetched); returns the
+        names now verified in the partial directory: rebuilt files, and delta files fetched on the way."""
+        done: set[str] = set()
+        bases: dict[int, Manifest | None] = {}
+        for entry in self.manifest.files:
+            if journal and journal.get(entry.name, {}).get("verified"):
+                continue
+            for d in self.manifest.deltas_for(entry.name):
+                if d.encoding != deltas.ENCODING:
+                    continue
+                base = self._held_base(d, bases)
+                if base is None:
+                    continue
+                held = base.by_name.get(entry.name)
+                if held is None or held.sha256 != d.base_sha256 or held.size != entry.size:
+                    continue
+                if self._rebuild_one(entry, d, done):
+                    self._rebuilt += 1
+                    done.add(entry.name)
+                    break
+        return done
+
+    def _held_base(self, d: DeltaEntry, bases: dict[int, Manifest | None]) -> Manifest | None:
+        if d.base not in bases:
+            path = self.bases_root / version_dirname(d.base)
+            try:
+                bases[d.base] = disk.held_version(path, d.base) if (path / STABLE_FILE).exists() else None
+            except FetchError as e:
+                log.info("base %s not usable: %s", version_dirname(d.base), e)
+                bases[d.base] = None
+        return bases[d.base]
+
+    def _rebuild_one(self, entry: FileEntry, d: DeltaEntry, done: set[str]) -> bool:
+        """Fetch the delta (unless held already), rebuild `entry` from it and check the result's sha256."""
+        mirrored = d.name in {e.name for e in self.entries}
+        delta_path = self.partial / (d.name if mirrored else f".{d.name}")
+        if d.name not in done and not self._fetch_verified(d, delta_path):
+            return False
+        if mirrored:
+            done.add(d.name)
+        base_file = self.bases_root / version_dirname(d.base) / entry.name
+        out = self.partial / entry.name
+        fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            digest = deltas.apply_delta(base_file, delta_path, fd, entry.size)
+            if digest == entry.sha256 and self.fsync:
+                os.fsync(fd)
+        except (deltas.DeltaError, OSError) as e:
+            log.warning("version %d, %s: cannot rebuild from %s (%s); fetching it in full", self.version,
+                        entry.name, d.name, e)
+            digest = None
+        finally:
+            os.close(fd)
+            if not mirrored:
+                delta_path.unlink(missing_ok=True)
+        if digest != entry.sha256:
+            if digest is not None:
+                log.warning("version %d, %s rebuilt from the verified delta %s has a wrong sha256: the held base "
+                            "%s is corrupt; fetching it in full", self.version, entry.name, d.name, base_file)
+            return False
+        return True
+
+    def _fetch_verified(self, entry: FileEntry, path: Path) -> bool:
+        """Fetch `entry` whole into `path` from one server after another until its bytes have its sha256; a
+        server whose bytes do not is distrusted for the rest of the fetch. False when no server delivered."""
+        tried: set[ServerURL] = set()
+        url_path = f"/v/{self.version}/{entry.name}"
+        while self._error is None:
+            with self._lock:
+                choices = sorted(self.candidates - self._distrusted - tried, key=str)
+            if not choices:
+                return False
+            server = self.pool.choose(choices) or choices[0]
+            tried.add(server)
+            t0 = time.monotonic()
+            try:
+                resp = open_get(server, url_path, timeout=self.timeout)
+                try:
+                    check_status(resp, url_path, (200,), self.timeout)
+                    if resp.content_length() != entry.size:
+                        raise TransferError(server, f"GET {url_path}: Content-Length {resp.content_length()}, "
+                                                    f"the manifest says {entry.size}")
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        receive_into_file(resp, fd, 0, entry.size, timeout=self.timeout,
+                                          progress=lambda n: self._count(server, n), use_splice=self.use_splice)
+                    finally:
+                        os.close(fd)
+                finally:
+                    resp.close()
+            except TransferError as e:
+                self.pool.record(server, False)
+                with self._lock:
+                    self._errors[server] += 1
+                    self._last_error[server] = str(e)
+                log.info("version %d, %s: %s", self.version, entry.name, e)
+                continue
+            self.pool.record(server, True, entry.size, time.monotonic() - t0)
+            if _sha256_file(path) == entry.sha256:
+                return True
+            with self._lock:
+                self._distrusted.add(server)
+                self._last_error[server] = f"sent {entry.name} with a wrong sha256"
+            self.pool.distrust(server)
+            log.warning("version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
+                        self.version, entry.name, server)
+        return False
+
+    def _count(self, server: ServerURL, n: int) -> None:
+        with self._lock:
+            self._received += n
+            self._bytes[server] += n
+            self._last_progress = time.monotonic()
 
     def _fail(self, error: ShardcastError) -> None:
         with self._lock:

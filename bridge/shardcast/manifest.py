@@ -2,7 +2,10 @@
 
 `parse_manifest` accepts only what `bridge.weights.export_params` writes: `{"version", "files": [{"name",
 "size", "sha256"}...], "total_size", "created"}` with plain, distinct file names, sizes that add up to
-`total_size`, lower-case hex sha256 digests, and limits on the count of files and on the total size. The
+`total_size`, lower-case hex sha256 digests, and limits on the count of files and on the total size; and the
+optional `deltas` (`bridge.shardcast.delta`): `[{"name", "file", "base", "base_sha256", "encoding", "size",
+"sha256"}...]`, each the delta of one of the files against an older version, under a name of its own. Deltas are
+not part of the version (`files` and `total_size` are what lands); servers mirror and serve them like files. The
 raw bytes are kept: every server hands on exactly the bytes it received, so a manifest's sha256 identifies a
 version end to end.
 """
@@ -33,15 +36,33 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class DeltaEntry(FileEntry):
+    """The delta file `name` rebuilds the version's `file` from that file of version `base` (whose sha256 was
+    `base_sha256`); `size` and `sha256` are the delta file's own."""
+
+    file: str = ""
+    base: int = 0
+    base_sha256: str = ""
+    encoding: str = ""
+
+
+@dataclass(frozen=True)
 class Manifest:
     version: int
     files: tuple[FileEntry, ...]
     total_size: int
     raw: bytes  # the exact bytes, as served and stored
+    deltas: tuple[DeltaEntry, ...] = ()
     by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
+    served: dict[str, FileEntry] = field(init=False, repr=False, compare=False)  # files and deltas by name
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "by_name", {e.name: e for e in self.files})
+        object.__setattr__(self, "served", {**self.by_name, **{d.name: d for d in self.deltas}})
+
+    def deltas_for(self, name: str) -> list[DeltaEntry]:
+        """The deltas that rebuild file `name`, newest base first."""
+        return sorted((d for d in self.deltas if d.file == name), key=lambda d: -d.base)
 
     @property
     def sha256(self) -> str:
@@ -94,12 +115,54 @@ def parse_manifest(raw: bytes, where: str, *, version: int | None = None,
         raise ManifestError(f"{where}: files add up to {total} bytes, over the limit of {max_total}")
     if doc.get("total_size") != total:
         raise ManifestError(f"{where}: field 'total_size' is {doc.get('total_size')!r} but the files add up to {total}")
-    return Manifest(declared, tuple(entries), total, bytes(raw))
+    deltas = _parse_deltas(doc.get("deltas", []), where, declared, {e.name: e for e in entries}, max_total)
+    return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas))
 
 
-def read_version_dir(path: Path, version: int) -> Manifest:
+def _parse_deltas(items: object, where: str, version: int, files: dict[str, FileEntry],
+                  max_total: int) -> list[DeltaEntry]:
+    if not isinstance(items, list) or len(items) > MAX_FILES:
+        raise ManifestError(f"{where}: field 'deltas' must be a list of at most {MAX_FILES} entries")
+    deltas: list[DeltaEntry] = []
+    seen = set(files)
+    total = 0
+    for i, item in enumerate(items):
+        at = f"{where}: deltas[{i}]"
+        if not isinstance(item, dict):
+            raise ManifestError(f"{at} must be an object with name, file, base, base_sha256, encoding, size, sha256")
+        try:
+            name = check_file_name(item.get("name"), f"{at}.name")
+            base = check_version(item.get("base"), f"{at}.base")
+        except ShardcastError as e:
+            raise ManifestError(str(e)) from None
+        if name in seen:
+            raise ManifestError(f"{at}.name: {name!r} is listed twice")
+        seen.add(name)
+        target = files.get(item.get("file"))  # type: ignore[arg-type]
+        if target is None:
+            raise ManifestError(f"{at}.file: {item.get('file')!r} is not one of the files")
+        if base >= version:
+            raise ManifestError(f"{at}.base: {base} is not older than version {version}")
+        size = item.get("size")
+        if type(size) is not int or not 0 <= size <= max_total:
+            raise ManifestError(f"{at}.size: {size!r} is not a size in 0..{max_total} bytes")
+        for key in ("sha256", "base_sha256"):
+            if not isinstance(item.get(key), str) or not _SHA256.fullmatch(item[key]):
+                raise ManifestError(f"{at}.{key}: {item.get(key)!r} is not 64 lower-case hex digits")
+        encoding = item.get("encoding")
+        if not isinstance(encoding, str) or not 0 < len(encoding) <= 40:
+            raise ManifestError(f"{at}.encoding: {encoding!r} is not an encoding name")
+        total += size
+        deltas.append(DeltaEntry(name, size, item["sha256"], target.name, base, item["base_sha256"], encoding))
+    if total > max_total:
+        raise ManifestError(f"{where}: deltas add up to {total} bytes, over the limit of {max_total}")
+    return deltas
+
+
+def read_version_dir(path: Path, version: int, *, with_deltas: bool = False) -> Manifest:
     """The manifest of a complete version directory (STABLE present), checking that every file is there with
-    its size (hashes are the writer's word: `export_params` and a SHARDCAST landing both verify before STABLE)."""
+    its size (hashes are the writer's word: `export_params` and a SHARDCAST landing both verify before STABLE);
+    `with_deltas`: the delta files too (a server's directory holds them; a worker's need not)."""
     if not (path / STABLE_FILE).is_file():
         raise ManifestError(f"{path}: no {STABLE_FILE} file (an incomplete version)")
     try:
@@ -107,7 +170,7 @@ def read_version_dir(path: Path, version: int) -> Manifest:
     except OSError as e:
         raise ManifestError(f"{path / MANIFEST_FILE}: unreadable ({e})") from e
     manifest = parse_manifest(raw, str(path / MANIFEST_FILE), version=version)
-    for entry in manifest.files:
+    for entry in manifest.served.values() if with_deltas else manifest.files:
         try:
             size = os.stat(path / entry.name).st_size
         except OSError as e:

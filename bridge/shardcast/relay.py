@@ -110,8 +110,8 @@ def recover_unsynced(root: Path) -> list[int]:
         if version is None or not (path / STABLE_FILE).exists() or (path / SYNCED_FILE).exists():
             continue
         try:
-            manifest = read_version_dir(path, version)
-            for entry in manifest.files:
+            manifest = read_version_dir(path, version, with_deltas=True)
+            for entry in manifest.served.values():
                 digest = hashlib.sha256()
                 with open(path / entry.name, "rb") as f:
                     while block := f.read(_HASH_BLOCK):
@@ -262,7 +262,7 @@ async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port
     client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
     # fsync: flushed in the background after advertising (see the module docstring), not before STABLE
     client = ShardcastClient(upstreams, timeout=timeout, patience=patience, parallel=parallel,
-                             part_bytes=part_bytes, fsync=False, direct_io=False, **client_args)
+                             part_bytes=part_bytes, fsync=False, direct_io=False, mirror_deltas=True, **client_args)
     if fsync:
         recover_unsynced(root)
     store = VersionStore(root, keep=keep, grace_s=grace_s)

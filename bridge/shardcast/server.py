@@ -362,7 +362,7 @@ class ShardcastServer:
         manifest = self.store.lookup(version)
         if manifest is None:
             return _error(404, f"version {version} is not served here (serving {sorted(self.store.advertised)})")
-        entry = manifest.by_name.get(name)
+        entry = manifest.served.get(name)  # a file of the version or one of its deltas
         if entry is None:
             return _error(404, f"version {version} has no file {name!r}")
         size = entry.size

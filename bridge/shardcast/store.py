@@ -73,7 +73,7 @@ class VersionStore:
             if self._rejected.get(version) == mtime:
                 continue
             try:
-                self._advertise(version, read_version_dir(self.path(version), version))
+                self._advertise(version, read_version_dir(self.path(version), version, with_deltas=True))
             except ManifestError as e:
                 self._rejected[version] = mtime
                 log.error("not serving %s: %s", version_dirname(version), e)

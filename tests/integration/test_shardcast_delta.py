@@ -1,0 +1,281 @@
+"""SHARDCAST deltas end to end: an origin and a relay (in this process, on 127.0.0.1) serve versions whose
+manifests list delta files, and clients with and without a base fetch them.
+
+Every landed file is compared byte for byte with what was published; the attacks (a relay whose delta is
+corrupt, a client whose base is corrupt, a new tensor) are staged on the servers' and clients' disks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bridge.shardcast import ShardcastClient, delta
+from bridge.shardcast.origin import serve_origin
+from bridge.shardcast.pool import ServerPool
+from bridge.shardcast.relay import serve_relay
+
+pytest.importorskip("zstandard")
+
+# the versions: as in tests/unit/test_shardcast_delta.py
+N = 300_000  # bf16 values per tensor
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    header, pos, body = {}, 0, []
+    for name, arr in tensors.items():
+        kind = {np.dtype(np.uint16): "BF16", np.dtype(np.float32): "F32"}[arr.dtype]
+        header[name] = {"dtype": kind, "shape": list(arr.shape), "data_offsets": [pos, pos + arr.nbytes]}
+        pos += arr.nbytes
+        body.append(arr.tobytes())
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(body)
+
+
+def step(weights: dict[str, np.ndarray], seed: int, frac: float = 0.01) -> dict[str, np.ndarray]:
+    """A copy with `frac` of the values moved by one ulp (bf16 bit patterns as uint16)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, arr in weights.items():
+        arr = arr.copy()
+        idx = rng.choice(arr.size, int(arr.size * frac), replace=False)
+        arr[idx] = (arr[idx].astype(np.int64) + rng.choice([1, -1], idx.size)).astype(arr.dtype)
+        out[name] = arr
+    return out
+
+
+def publish(root: Path, version: int, files: dict[str, bytes], every: int = delta.ANCHOR_EVERY) -> dict:
+    """What the learner's export does: files, deltas against `delta_bases`, manifest, then STABLE."""
+    vdir = root / f"v{version:06d}"
+    staging = root / f".staging-{version}"
+    staging.mkdir(parents=True)
+    for name, data in files.items():
+        (staging / name).write_bytes(data)
+    entries = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
+    doc = {"version": version, "files": entries, "total_size": sum(len(d) for d in files.values()),
+           "deltas": delta.write_deltas(staging, entries, delta.delta_bases(root, version, every))}
+    (staging / "manifest.json").write_text(json.dumps(doc))
+    os.rename(staging, vdir)
+    (vdir / "STABLE").write_text(f"{version}\n")
+    return doc
+
+
+def initial(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"a.weight": rng.integers(0x3C00, 0x3D00, N, dtype=np.uint16),
+            "b.weight": rng.integers(0xBC00, 0xBD00, N // 3, dtype=np.uint16)}
+
+
+class Served:
+    """A SHARDCAST server coroutine run on its own event loop in a thread, until `close()`."""
+
+    def __init__(self, serve, *args, **kw):
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.url = ""
+
+        def ready(url: str) -> None:
+            self.url = url
+            started.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.task = self.loop.create_task(serve(*args, host="127.0.0.1", port=0, ready=ready, **kw))
+            try:
+                self.loop.run_until_complete(self.task)
+            except asyncio.CancelledError:
+                pass
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10), "server did not start"
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def servers():
+    started: list[Served] = []
+
+    def start(serve, *args, **kw) -> Served:
+        started.append(Served(serve, *args, **kw))
+        return started[-1]
+
+    yield start
+    for s in reversed(started):
+        s.close()
+
+
+def versions(root: Path, count: int, every: int = 4) -> dict[int, dict[str, bytes]]:
+    weights, out = initial(), {}
+    for v in range(count):
+        if v:
+            weights = step(weights, v)
+        out[v] = {"model.safetensors": safetensors_bytes(weights), "config.json": b'{"model_type": "qwen2"}'}
+        publish(root, v, out[v], every=every)
+    return out
+
+
+def client(urls, **kw) -> ShardcastClient:
+    return ShardcastClient(urls, **{"timeout": 5.0, "patience": 5.0, "part_bytes": 256 << 10, "fsync": False,
+                                    "direct_io": False, **kw})
+
+
+def landed(out: Path, version: int, files: dict[str, bytes]) -> None:
+    vdir = out / f"v{version:06d}"
+    assert (vdir / "STABLE").exists()
+    assert sorted(p.name for p in vdir.iterdir()) == sorted([*files, "manifest.json", "STABLE"])
+    for name, data in files.items():
+        assert (vdir / name).read_bytes() == data, name
+
+
+def full_size(files: dict[str, bytes]) -> int:
+    return sum(len(d) for d in files.values())
+
+
+class Prefer(ServerPool):
+    """A pool that always picks `first` when it may (to make a test meet a given server first)."""
+
+    def __init__(self, servers, first):
+        super().__init__(servers)
+        self.first = first
+
+    def choose(self, candidates):
+        candidates = list(candidates)
+        return next((s for s in candidates if str(s) == self.first), None) or super().choose(candidates)
+
+
+def wait_mirrored(url: str, count: int, timeout: float = 20.0) -> None:
+    """Until the relay at `url` serves versions 0..count-1."""
+    probe, deadline = client(url), time.monotonic() + timeout
+    while list(probe.versions().values()) != [list(range(count))]:
+        assert time.monotonic() < deadline, f"{url} did not mirror {count} versions in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_clients_with_and_without_the_base_in_one_fetch(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 3)
+    origin = servers(serve_origin, origin_dir)
+    relay_dir = tmp_path / "relay"
+    relay = servers(serve_relay, relay_dir, origin.url, keep=4, fsync=False, patience=5.0, timeout=5.0)
+    wait_mirrored(relay.url, 3)
+    # the relay mirrors newest first: v2 in full, then v1 and v0; the delta files are mirrored with them
+    for v in range(3):
+        doc = json.loads((origin_dir / f"v{v:06d}" / "manifest.json").read_bytes())
+        assert {d["name"] for d in doc["deltas"]} <= {p.name for p in (relay_dir / f"v{v:06d}").iterdir()}
+
+    with_base, without = tmp_path / "a", tmp_path / "b"
+    client(origin.url).fetch(1, with_base)
+    results = {}
+
+    def fetch(name, out):
+        results[name] = client(relay.url).fetch(2, out)
+
+    threads = [threading.Thread(target=fetch, args=(n, o)) for n, o in (("a", with_base), ("b", without))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    landed(with_base, 2, published[2])
+    landed(without, 2, published[2])
+    assert results["a"].rebuilt_files == 1 and results["b"].rebuilt_files == 0
+    assert results["a"].received_bytes * 5 < full_size(published[2])  # the delta and config.json
+    assert results["b"].received_bytes == full_size(published[2])
+
+
+def test_a_client_that_holds_only_the_anchor_uses_the_anchor_delta(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 7, every=4)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(4, out)
+    result = client(origin.url).fetch(6, out)  # v5 is not held: the delta against the anchor v4 is used
+    landed(out, 6, published[6])
+    assert result.rebuilt_files == 1 and result.received_bytes * 5 < full_size(published[6])
+    result = client(origin.url).fetch(3, out)  # no base older than v3 held: in full
+    assert result.rebuilt_files == 0
+    landed(out, 3, published[3])
+
+
+def test_a_relay_serving_a_corrupt_delta_is_distrusted_and_the_file_rebuilt_from_another(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    origin = servers(serve_origin, origin_dir)
+    relay_dir = tmp_path / "relay"
+    relay = servers(serve_relay, relay_dir, origin.url, keep=4, fsync=False, patience=5.0, timeout=5.0)
+    wait_mirrored(relay.url, 2)
+    (dfile,) = [p for p in (relay_dir / "v000001").iterdir() if p.name.endswith(".xzst")]
+    raw = bytearray(dfile.read_bytes())
+    raw[len(raw) // 2] ^= 1  # the same size: only the sha256 tells
+    dfile.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    client(origin.url).fetch(0, out)
+    urls = [relay.url, origin.url]
+    c = client(urls)
+    c.pool = Prefer(c.servers, relay.url)
+    result = c.fetch(1, out)
+    landed(out, 1, published[1])
+    assert result.rebuilt_files == 1
+    assert result.servers[relay.url]["distrusted"] is True
+    assert result.received_bytes * 3 < full_size(published[1])
+
+
+def test_a_corrupt_base_falls_back_to_the_full_file(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(0, out)
+    base = out / "v000000" / "model.safetensors"
+    raw = bytearray(base.read_bytes())
+    raw[-100] ^= 0x10  # bit rot on the client's disk, after the base was verified
+    base.write_bytes(bytes(raw))
+    result = client(origin.url).fetch(1, out)
+    landed(out, 1, published[1])
+    assert result.rebuilt_files == 0
+    assert result.servers[origin.url]["distrusted"] is False  # the origin's delta was right
+    assert result.received_bytes >= full_size(published[1])
+
+
+def test_a_new_tensor_is_sent_in_full_beside_rebuilt_files(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    weights = initial()
+    v0 = {"model-1.safetensors": safetensors_bytes(weights), "model-2.safetensors": safetensors_bytes(weights)}
+    publish(origin_dir, 0, v0)
+    nxt = step(weights, 1)
+    v1 = {"model-1.safetensors": safetensors_bytes(nxt),
+          "model-2.safetensors": safetensors_bytes({**nxt, "c.bias": np.zeros(4, np.uint16)})}
+    publish(origin_dir, 1, v1)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(0, out)
+    result = client(origin.url).fetch(1, out)
+    landed(out, 1, v1)
+    assert result.rebuilt_files == 1
+    assert result.received_bytes >= len(v1["model-2.safetensors"])
+
+
+def test_a_client_told_not_to_use_deltas_fetches_full_files(servers, tmp_path):
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(0, out)
+    result = client(origin.url, use_deltas=False).fetch(1, out)
+    landed(out, 1, published[1])
+    assert result.rebuilt_files == 0
+    assert hashlib.sha256((out / "v000001" / "model.safetensors").read_bytes()).hexdigest() == \
+        hashlib.sha256(published[1]["model.safetensors"]).hexdigest()
