@@ -23,6 +23,7 @@ BASE = [
     "pydantic-settings>=2.6",
     "rich>=13",
     "ml_dtypes>=0.5",
+    "zstandard>=0.22",  # SHARDCAST delta files (learner writes them; relays, workers, validators read them)
 ]
 TRAINER = [
     "jax==0.10.2",
