@@ -1,4 +1,4 @@
-"""Export speed of `bridge.weights` beside the raw file-write bandwidth of the same machine, in one run.
+"""Export speed of `jax_trainer.export` beside the raw file-write bandwidth of the same machine, in one run.
 
 A random Qwen2-shaped model of ~500 MB in bfloat16 (float32 master weights, sharded over all local devices)
 is exported as a Hugging Face directory (gather, layout transpose, bf16 cast, sha256, write). The baseline

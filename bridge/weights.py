@@ -1,18 +1,16 @@
-"""JAX parameters <-> Hugging Face safetensors directories (docs/design.md section 4).
+"""Hugging Face safetensors directories, the weights layout of docs/design.md section 4, framework-neutral
+(numpy): the learner's side in JAX is `jax_trainer.export`.
 
 The model side describes its parameters with `TensorSpec`s (where the array sits in the parameter tree, its
-HF name, and how the HF layout maps to the JAX layout); this module moves bytes, one tensor at a time:
+HF name, and how the HF layout maps to the model's layout); this module moves bytes, one tensor at a time:
 
-- `load_params(model_dir, specs, shardings, dtype)` reads a single-file or sharded safetensors checkpoint into
-  sharded `jax.Array`s. Each device's slice is read from a memory map, so a host never holds the whole
-  model, and replicated tensors are materialised once per tensor, never all at once.
-- `export_params(arrays, specs, out_dir, version=..., source_dir=...)` writes the layout of docs/design.md section 4:
+- `HFCheckpoint(model_dir)` reads a single-file or sharded safetensors checkpoint, each tensor a memory map.
+- `write_version(specs, host_value, out_dir, version=..., source_dir=...)` writes the layout:
   `model-0000k-of-0000n.safetensors` up to `max_shard_bytes` each, `model.safetensors.index.json`, the
   config and tokenizer files of `source_dir`, `manifest.json` (size and sha256 of every file) and `STABLE`
   last. Files are written into a hidden temporary directory that is renamed into place, so a reader never
   sees a half-written version; hashing overlaps with the conversion of the next tensor.
-
-In a multi-host job every process calls `export_params` (the gathers are collective); process 0 writes.
+- `verify_manifest(model_dir)` checks every file against the manifest.
 """
 
 from __future__ import annotations
@@ -20,14 +18,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import datetime
-import functools
 import hashlib
 import json
 import math
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import ml_dtypes
@@ -172,63 +169,6 @@ class HFCheckpoint:
         return sf.array(name)
 
 
-def load_params(
-    model_dir: str | Path,
-    specs: Sequence[TensorSpec],
-    shardings: Mapping[Path_, "jax.sharding.Sharding"],
-    dtype="float32",
-    verify: bool = True,
-    ignore: Callable[[str], bool] = lambda name: False,
-) -> dict[Path_, "jax.Array"]:
-    """Read every spec's tensor into a `jax.Array` with the given sharding, cast to `dtype`.
-
-    All shapes are checked before anything is read. Checkpoint tensors that no spec asks for are an error
-    unless `ignore(name)` says otherwise (a tied `lm_head.weight`, RoPE caches of old checkpoints).
-    """
-    import jax
-
-    ckpt = HFCheckpoint(model_dir, verify=verify)
-    np_dtype = resolve_dtype(dtype)
-    wanted = {s.hf_name for s in specs}
-    extra = sorted(n for n in ckpt.names() - wanted if not ignore(n))
-    if extra:
-        raise WeightsError(f"{ckpt.dir}: unexpected tensors the model has no place for: {', '.join(extra[:8])}")
-    views = {s.path: s.to_jax(ckpt.array(s.hf_name, s.hf_shape)) for s in specs}
-    out = {}
-    for spec in specs:
-        view = views.pop(spec.path)
-        out[spec.path] = jax.make_array_from_callback(
-            spec.jax_shape, shardings[spec.path], lambda idx, v=view: np.ascontiguousarray(v[idx], dtype=np_dtype)
-        )
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _hf_layout_fn(perm: tuple[int, ...], hf_shape: tuple[int, ...], dtype: np.dtype):
-    """A jitted JAX layout -> HF layout + cast, run where the shards live (compiled once per shape)."""
-    import jax
-
-    inverse = tuple(int(i) for i in np.argsort(perm))
-    return jax.jit(lambda x: x.transpose(inverse).reshape(hf_shape).astype(dtype))
-
-
-def _hf_host_value(x, spec: TensorSpec, dtype: np.dtype) -> np.ndarray:
-    """The tensor in HF layout and export dtype, whole on this host.
-
-    Transpose and cast run on the devices, shard by shard and in parallel, so the host only gathers bytes
-    already in the export dtype (half of float32's for bf16). An array spanning several processes is
-    gathered collectively.
-    """
-    import jax
-
-    y = _hf_layout_fn(spec.perm, spec.hf_shape, np.dtype(dtype))(x)
-    if getattr(y, "is_fully_addressable", True):
-        return np.asarray(jax.device_get(y))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(y, tiled=True))
-
-
 def _plan_shards(specs: Sequence[TensorSpec], dtype: np.dtype, max_shard_bytes: int) -> list[list[TensorSpec]]:
     shards: list[list[TensorSpec]] = [[]]
     size = 0
@@ -272,34 +212,34 @@ class ExportResult:
     files: int
 
 
-def export_params(
-    arrays: Mapping[Path_, "jax.Array"],
+def write_version(
     specs: Sequence[TensorSpec],
+    host_value: Callable[[TensorSpec], np.ndarray],
     out_dir: str | Path,
     *,
     version: int,
+    writer: bool = True,
     source_dir: str | Path | None = None,
     hf_config: dict | None = None,
     dtype="bfloat16",
     max_shard_bytes: int = 2 << 30,
     fsync: bool = True,
+    delta_bases: Sequence[tuple[int, Path]] | None = None,
 ) -> ExportResult | None:
-    """Write arrays as a complete HF directory at `out_dir` (see the module docstring); None on process > 0.
+    """Write the tensors of `specs` as a complete HF directory at `out_dir` (see the module docstring); None
+    where not `writer`.
 
+    `host_value(spec)` is the tensor of `spec` in HF layout and the export dtype, whole on this host; it is
+    called once per spec, in order, on every process (where it gathers collectively), writer or not.
     `source_dir` supplies config.json (its dtype updated) and the tokenizer/generation files;
     `hf_config` overrides its config.json. `out_dir` must not already hold a STABLE version.
+    `delta_bases`: (version, complete directory) of older versions to write SHARDCAST delta files against
+    (`bridge.shardcast.delta`), listed in the manifest's `deltas`; None: when `out_dir` is named for its version
+    (`v000123`), the previous version and the newest anchor beside it (`bridge.shardcast.delta.delta_bases`).
     """
-    import jax
-
     out_dir = Path(out_dir)
     np_dtype = resolve_dtype(dtype)
     dtype_name = next(k for k, v in DTYPES.items() if v == np_dtype)
-    writer = jax.process_index() == 0
-    for spec in specs:
-        if tuple(arrays[spec.path].shape) != spec.jax_shape:
-            raise WeightsError(
-                f"export: {spec.hf_name} has shape {list(arrays[spec.path].shape)}, expected {list(spec.jax_shape)}"
-            )
     if writer and (out_dir / STABLE_FILE).exists():
         raise WeightsError(f"{out_dir}: already holds a complete version (STABLE exists); refusing to overwrite")
     shards = _plan_shards(specs, np_dtype, max_shard_bytes)
@@ -329,7 +269,7 @@ def export_params(
                 if writer:
                     submit(np.frombuffer(encode_header(planned, {"format": "pt"}), np.uint8))
                 for spec in shard:
-                    buf = _hf_host_value(arrays[spec.path], spec, np_dtype)
+                    buf = host_value(spec)
                     if writer:
                         submit(buf)
                         weight_map[spec.hf_name] = name
@@ -359,6 +299,12 @@ def export_params(
             "total_size": sum(e["size"] for e in files),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        from bridge.shardcast import delta
+
+        if delta_bases is None and out_dir.name == f"v{int(version):06d}":
+            delta_bases = delta.delta_bases(out_dir.parent, int(version))
+        if delta_bases:
+            manifest["deltas"] = delta.write_deltas(tmp, manifest["files"], delta_bases)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():  # an incomplete leftover (no STABLE): replace it
             shutil.rmtree(out_dir)

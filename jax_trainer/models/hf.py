@@ -2,7 +2,7 @@
 
 `tensor_specs(cfg)` is the one table between the two worlds: for every parameter, its path in the nnx state,
 its HF name and how the HF layout ([out, in] linears, flat heads) maps to ours ([in, out], heads split out).
-`bridge.weights` moves the bytes; this module builds the model around them.
+`jax_trainer.export` and `bridge.weights` move the bytes; this module builds the model around them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from bridge.weights import ExportResult, TensorSpec, export_params, load_params
+from bridge.weights import ExportResult, TensorSpec
+from jax_trainer.export import export_params, load_params
 from jax_trainer.models.config import ModelConfig
 from jax_trainer.models.decoder import Decoder
 from jax_trainer.sharding import make_mesh, param_shardings
