@@ -74,6 +74,10 @@ PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients 
 PROOF_CHUNK_TOKENS = 32  # decode steps covered by one proof
 DIGEST_DOMAIN = b"intellect-rollout-batch/1\n"
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+FINISH_STOP = 0
+"""`finish` of a completion that ended with a stop token (docs/design.md section 6)."""
+FINISH_LENGTH = 1
+"""`finish` of a completion cut at max_tokens (or at the model's context length)."""
 
 # (name, dtype, length): length "T" = tokens, "n" = samples, "n+1" = offsets, "P" = proof bytes.
 FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -439,7 +443,7 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     nonzero = np.add.reduceat((batch.logprobs != 0).view(np.uint8), bounds, dtype=np.int64)[0::2]
     fail("logprobs", nonzero > 0, "non-zero logprob on a prompt token of the sample")
     fail("rewards", ~np.isfinite(batch.rewards), "non-finite reward")
-    fail("finish", batch.finish > 1, "finish must be 0 (stop) or 1 (length)")
+    fail("finish", batch.finish > FINISH_LENGTH, f"finish must be {FINISH_STOP} (stop) or {FINISH_LENGTH} (length)")
     fail("task_ids", batch.task_ids < 0, "negative task id")
     fail("group_ids", batch.group_ids < 0, "negative group id")
     fail("target_lens", batch.target_lens < 0, "negative target length")

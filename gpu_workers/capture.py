@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_workers.checks import FINISH_LENGTH, FINISH_STOP
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.toploc import build_proofs_batch
 
 if TYPE_CHECKING:

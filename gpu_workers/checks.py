@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.tasks.prompt import length_target
 from gpu_workers.toploc import ChunkCheck, Thresholds, split_proofs, verify_proofs_batch
 
@@ -43,10 +44,6 @@ if TYPE_CHECKING:
 
     from gpu_workers.prefill import Prefill
 
-FINISH_STOP = 0
-"""`finish` of a completion that ended with a stop token (docs/design.md section 6)."""
-FINISH_LENGTH = 1
-"""`finish` of a completion cut at max_tokens (or at the model's context length)."""
 _SHOWN = 3  # offending positions quoted per reason
 
 

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.capture import Completion, ProofCapture
-from gpu_workers.checks import FINISH_LENGTH, FINISH_STOP
 
 log = logging.getLogger(__name__)
 

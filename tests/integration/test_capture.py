@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gpu_workers.capture import ProofCapture, _install
-from gpu_workers.checks import FINISH_LENGTH, FINISH_STOP, Declared, Sample, stop_token_ids, validate_batch
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
+from gpu_workers.checks import Declared, Sample, stop_token_ids, validate_batch
 from gpu_workers.scoring import hf_forward
 from gpu_workers.toploc import Thresholds, verify_proofs
 

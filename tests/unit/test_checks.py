@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.checks import (
-    FINISH_LENGTH,
-    FINISH_STOP,
     Assignment,
     BatchVerdict,
     Sample,
