@@ -46,7 +46,8 @@ from rich.console import Console
 
 from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorError,
                              RetryPolicy, Verdict)
-from orchestrator.process import OrchestratorProcess
+
+from _common import OrchestratorProcess
 
 TOKEN = "bench-token"
 CONFIG = """

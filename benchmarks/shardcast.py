@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+from _common import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MIB = 1 << 20
@@ -76,12 +78,6 @@ while out is None:  # it re-reads the relays' distribution files, which the rela
         time.sleep(0.1)
 print(json.dumps({"ok": True, "seconds": time.time() - start, "attempts": attempts}), flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Procs:

@@ -1,4 +1,4 @@
-"""The orchestrator service: `create_app(cfg)` is the FastAPI application (docs/design.md section 8).
+"""The orchestrator service's routes: `create_app(cfg, run)` is the FastAPI application (docs/design.md section 8).
 
 Handlers are coroutines that call the database synchronously, so each request's reads and writes run without
 interleaving with another's: the scheduler's decisions (pacing, claims, k counters) and its in-memory caches
@@ -20,153 +20,29 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import Body, Depends, FastAPI, HTTPException, Path as PathParam, Query, Request
+from fastapi import Body, Depends, FastAPI, Path as PathParam, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, TypeAdapter
-from sqlalchemy.orm import sessionmaker
+from pydantic import BaseModel
 
 from bridge.protocol import (BATCH_ID_PATTERN, HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT,
-                             PROTOCOL_VERSION, Assignment, BanRequest, BatchAnnouncement, BatchList, BatchStatus,
-                             ClaimRequest, ClaimResponse, Health, HeartbeatRequest, Ledger, NodeInfo, NodeList,
-                             PolicyAnnouncement, PolicyInfo, PoolRequirements, PublicBatchList, RegisterRequest,
-                             RegisterResponse, Verdict, solve_challenge)
-from intellect.config import Config
+                             PROTOCOL_VERSION, BanRequest, BatchList, BatchStatus, Health, Ledger, NodeInfo, NodeList,
+                             PolicyAnnouncement, PolicyInfo, PublicBatchList, RegisterRequest, RegisterResponse,
+                             solve_challenge)
 from orchestrator import dashboard
-from orchestrator.auth import Authenticator, RateLimiter, start_run, stop_run
-from orchestrator.db import SCHEMA_VERSION, open_database, sqlite_url
-from orchestrator.durability import WalSync
+from orchestrator.config import OrchestratorConfig
+from orchestrator.db import SCHEMA_VERSION
 from orchestrator.fast_lane import NODE_ROUTES, NodeRoute, fast_lane, read_body, replaying
 from orchestrator.guards import (BodyError, address_group, decode_json, is_json_content_type, json_error,
                                  validation_errors)
 from orchestrator.ledger import build_ledger, ledger_csv
-from orchestrator.metrics import Metrics
-from orchestrator.nodes import LiveNode, NodeRegistry
-from orchestrator.scheduler import WorkScheduler
+from orchestrator.nodes import LiveNode
+from orchestrator.service import NodeRoutes, Orchestrator, RunValues
 
 log = logging.getLogger("orchestrator")
-
-
-_ASSIGNMENTS = TypeAdapter(list[Assignment])
-
-
-class Orchestrator:
-    """Everything one service instance holds: storage, the node registry, the work scheduler, auth, metrics."""
-
-    def __init__(self, cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None):
-        oc = cfg.orchestrator
-        self.clock = clock
-        self.run_name = cfg.run.name
-        if database_url is None and oc.database_url is None:
-            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
-        # SQLite: checkpoints of the WAL run in WalSync's thread, not inside a request's commit
-        self.engine = open_database(database_url or oc.database_url or sqlite_url(cfg.run.db_path),
-                                    autocheckpoint=False)
-        self.db = sessionmaker(self.engine, expire_on_commit=False)
-        self.wal = WalSync(self.engine.url.database, self.engine) if self.engine.dialect.name == "sqlite" else None
-        self.requirements = PoolRequirements(min_gpus=oc.min_gpus, min_gpu_memory_gib=oc.min_gpu_memory_gib,
-                                             allow_cpu_nodes=oc.allow_cpu_nodes, challenge_size=oc.challenge_side(),
-                                             heartbeat_interval_s=oc.heartbeat_interval_s)
-        self.registry = NodeRegistry(self.db, self.requirements, oc.unhealthy_after_s, oc.dead_after_s,
-                                     oc.challenge_timeout_s, clock, validator_keys=oc.validator_keys)
-        if oc.validator_keys is None:
-            log.warning("orchestrator.validator_keys is not set: any key may register as a validator (trusted "
-                        "pools only; list the validators' public keys in an open pool)")
-        relays = cfg.shardcast.relays or [f"http://{cfg.shardcast.host}:{cfg.shardcast.port}"]
-        self.scheduler = WorkScheduler(
-            self.db, self.registry, async_level=cfg.trainer.async_level, prompts_per_step=cfg.data.prompts_per_step,
-            prompts_per_assignment=oc.prompts_per_assignment, samples_per_prompt=cfg.data.samples_per_prompt,
-            max_inflight_per_node=oc.max_inflight_per_node, num_tasks=oc.num_tasks, claim_lease_s=oc.claim_lease_s,
-            ban_after_rejections=oc.ban_after_rejections, rejection_window_s=oc.rejection_window_s,
-            default_relays=relays, clock=clock, deadline_s=oc.deadline_s(cfg.worker.max_tokens or cfg.data.max_new_tokens),
-            unproven_share=oc.unproven_share)
-        self.auth = Authenticator(oc.max_clock_skew_s, oc.admin_token, clock)
-        self.run_id, self.auth.refuse_up_to = start_run(self.db, self.auth.nonces, clock(), oc.max_clock_skew_s)
-        if self.wal is not None:  # the start is on disk before any request: a crash from now on is seen as one
-            self.wal._fsync()
-        if self.auth.refuse_up_to:
-            log.warning("the last run of this database did not stop cleanly: signed requests stamped before %.3f "
-                        "(start + max_clock_skew_s) are answered 503, as they may be replays", self.auth.refuse_up_to)
-        self.limiter = RateLimiter(oc.submit_rate_per_min, oc.submit_burst, clock)
-        self.register_limiter = RateLimiter(oc.register_rate_per_min, oc.register_burst, clock,
-                                            what="registrations from one address")
-        self.pages = PageCache(oc.public_cache_s)
-        self.page_size = oc.page_size
-        self.metrics = Metrics(self)
-        self.max_body_bytes = oc.max_body_bytes
-        self.heartbeat_interval_s = oc.heartbeat_interval_s
-        self.sweep_interval_s = min(1.0, oc.heartbeat_interval_s / 2)
-        self.started = self._pruned = clock()
-        self._policy_json: tuple[PolicyInfo | None, bytes] = (None, b"")
-        self._interval_json = TypeAdapter(float).dump_json(self.heartbeat_interval_s)
-
-    def heartbeat_reply(self, state: str, work: list[Assignment]) -> bytes:
-        """The JSON of a HeartbeatResponse; the policy's part is serialized once per policy."""
-        policy = self.scheduler.policy
-        if self._policy_json[0] is not policy:
-            self._policy_json = (policy, policy.model_dump_json().encode())
-        return b"".join((b'{"state":"', state.encode(), b'","policy":', self._policy_json[1], b',"assignments":',
-                         _ASSIGNMENTS.dump_json(work), b',"heartbeat_interval_s":', self._interval_json, b"}"))
-
-    def sweep(self, flush: bool = False) -> None:
-        """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
-        now), assignments past their deadline (scheduler.py), and forgetting expired nonces."""
-        for key in self.registry.sweep(flush):
-            log.warning("node %s... is dead; its open assignments are released", key[:16])
-        for key, wid in self.scheduler.expire():
-            log.warning("assignment %d of node %s... expired (%g s deadline): handed out again, a strike against "
-                        "the node", wid, key[:16], self.scheduler.deadline_s)
-        self.auth.nonces.prune(self.clock())
-        if self.clock() - self._pruned >= 60:
-            self.limiter.prune()
-            self.register_limiter.prune()
-            self._pruned = self.clock()
-
-    def close(self) -> None:
-        """A clean stop: heartbeat times and the unexpired nonces written (a restart refuses their replays)."""
-        self.sweep(flush=True)
-        stop_run(self.db, self.auth.nonces, self.run_id, self.clock())
-        self.engine.dispose()
-
-
-class NodeRoutes:
-    """What the node routes do once a request is authentic and its body valid, shared by the FastAPI routes
-    and the fast lane (fast_lane.py). Each returns the JSON reply."""
-
-    def __init__(self, svc: Orchestrator):
-        self.svc = svc
-
-    def node_in_role(self, key: str, required: str | None) -> LiveNode:
-        """The node of an authentic key; 403 if unknown, banned, or not a `required`."""
-        node = self.svc.registry.check_known(key)
-        if required is not None and node.role != required:
-            raise HTTPException(403, f"this route is for {required}s; node {key[:16]}... is a {node.role}")
-        return node
-
-    def heartbeat(self, key: str, _node: LiveNode, body: HeartbeatRequest) -> bytes:
-        svc = self.svc
-        live = svc.registry.heartbeat(key, dict(body.metrics))
-        work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
-        return svc.heartbeat_reply(live.state, work)
-
-    def announce(self, key: str, _node: LiveNode, body: BatchAnnouncement) -> bytes:
-        self.svc.limiter.take(key)
-        return self.svc.scheduler.announce(key, body).model_dump_json().encode()
-
-    def claim(self, key: str, _node: LiveNode, body: ClaimRequest) -> bytes:
-        record, expires = self.svc.scheduler.claim(key, body.lease_s)
-        pin = None if record is None else self.svc.scheduler.manifests.get(record.version)
-        return ClaimResponse(batch=record, lease_expires_at=expires, manifest_sha256=pin).model_dump_json().encode()
-
-    def verdict(self, key: str, _node: LiveNode, body: Verdict, batch_id: str) -> bytes:
-        record, new = self.svc.scheduler.verdict(key, batch_id, body)
-        if new:
-            self.svc.metrics.validation_lag.observe(max(0.0, record.verdict_at - record.announced_at))
-        return record.model_dump_json().encode()
 
 
 def _json(reply: bytes) -> Response:
@@ -230,9 +106,9 @@ def _reply(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def create_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:
-    """The service on `cfg` (storage: `database_url`, else orchestrator.database_url, else run.dir's SQLite)."""
-    svc = Orchestrator(cfg, clock, database_url)
+def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], float] = time.time) -> FastAPI:
+    """The service of config section `cfg` and the run's values `run` (storage: `run.database_url`)."""
+    svc = Orchestrator(cfg, run, clock)
     node_routes = NodeRoutes(svc)
 
     @contextlib.asynccontextmanager
@@ -442,30 +318,6 @@ def _openapi(app: FastAPI) -> dict:
         schema.setdefault("components", {})["securitySchemes"] = schemes
         app.openapi_schema = schema
     return app.openapi_schema
-
-
-class PageCache:
-    """Answers of the public pages by their query, reused for `ttl_s` seconds (monotonic), at most `size` kept:
-    a flood of page requests costs one rendering per page and period."""
-
-    def __init__(self, ttl_s: float, size: int = 256):
-        self.ttl_s = ttl_s
-        self.size = size
-        self._answers: dict[tuple, tuple[float, Response]] = {}
-
-    def get(self, key: tuple, render: Callable[[], Response]) -> Response:
-        now = time.monotonic()
-        held = self._answers.get(key)
-        if held is not None and now < held[0]:
-            return held[1]
-        answer = render()
-        if self.ttl_s > 0:
-            if len(self._answers) >= self.size:
-                self._answers = {k: v for k, v in self._answers.items() if v[0] > now}
-                if len(self._answers) >= self.size:
-                    self._answers.pop(next(iter(self._answers)))
-            self._answers[key] = (now + self.ttl_s, answer)
-        return answer
 
 
 class _Service(FastAPI):

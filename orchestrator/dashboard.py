@@ -19,7 +19,7 @@ from bridge.protocol import Ledger, NodeInfo, PolicyInfo
 from orchestrator.db import ACCEPTED, REJECTED, SUBMITTED, Work
 
 if TYPE_CHECKING:
-    from orchestrator.app import Orchestrator
+    from orchestrator.service import Orchestrator
 
 REFRESH_S = 5
 _CSS = """

@@ -5,7 +5,7 @@ hands on) and a plain ASGI handler in front of FastAPI and its middleware (this 
 At scale nine requests in ten are heartbeats (every node, every `heartbeat_interval_s`) and most of the rest
 are batch announcements, validation claims and verdicts. FastAPI's routing, dependency injection and exception
 middleware cost more CPU than these requests' own work, so the fast lane answers them directly, with the same
-checks, state changes and replies: both lanes call the `NodeRoutes` of app.py, decode with
+checks, state changes and replies: both lanes call the `NodeRoutes` of service.py, decode with
 `guards.decode_json` and match paths with FastAPI's own compiled routes. Anything it does not take on (a body
 over the size limit, one without a JSON Content-Type, one that is not strict JSON or not valid for its model,
 or a path parameter that does not match: the replies FastAPI and the middleware word) goes to the FastAPI
@@ -34,7 +34,7 @@ from orchestrator.durability import tracking_commits
 from orchestrator.guards import BodyError, decode_json, is_json_content_type
 
 if TYPE_CHECKING:
-    from orchestrator.app import NodeRoutes, Orchestrator
+    from orchestrator.service import NodeRoutes, Orchestrator
 
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
 _HEADERS = tuple(name.lower().encode("latin-1") for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE,

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from orchestrator.db import SUBMITTED, Work
 
 if TYPE_CHECKING:
-    from orchestrator.app import Orchestrator
+    from orchestrator.service import Orchestrator
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 LAG_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600)

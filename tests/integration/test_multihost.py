@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from helpers import free_port
+
 SCRIPT = Path(__file__).with_name("multihost_step.py")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(pid: int, nproc: int, port: int, devices: int) -> subprocess.Popen:
@@ -37,7 +32,7 @@ def _result(proc: subprocess.Popen) -> dict:
 
 def test_two_processes_match_one():
     single = _result(_launch(0, 1, 0, 8))
-    port = _free_port()
+    port = free_port()
     procs = [_launch(pid, 2, port, 4) for pid in range(2)]
     multi = [_result(p) for p in procs]
     assert single["devices"] == 8 and all(r["devices"] == 8 and r["processes"] == 2 for r in multi)

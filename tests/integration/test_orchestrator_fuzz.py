@@ -15,7 +15,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from bridge.protocol import HardwareReport, OrchestratorClient, sign_request
-from orchestrator.process import OrchestratorProcess
+from helpers import OrchestratorProcess
 
 TOKEN = "fuzz-token"
 EXAMPLES = 12

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from bridge.protocol import (BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
                              Verdict, sign_request)
-from orchestrator.process import OrchestratorProcess
+from helpers import OrchestratorProcess
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)
 TOKEN = "hostile-admin"

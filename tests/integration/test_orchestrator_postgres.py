@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from bridge.protocol import BatchAnnouncement, HardwareReport, OrchestratorClient, RetryPolicy, Verdict
 from intellect.config import load_config
-from orchestrator.app import create_app
-from orchestrator.process import free_port
+from intellect.orchestrator_cli import build_app
+from helpers import free_port
 
 INITDB, PG_CTL = shutil.which("initdb"), shutil.which("pg_ctl")
 pytest.importorskip("psycopg", reason="PostgreSQL driver psycopg not installed")
@@ -57,7 +57,7 @@ def test_work_flow_and_restart_on_postgresql(postgres_url, tmp_path):
     hw = HardwareReport(cpu_count=1, memory_gib=1)
     worker_key, validator_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     for round_ in range(2):  # the second round is a restart on the same database
-        app = create_app(cfg, database_url=postgres_url)
+        app = build_app(cfg, database_url=postgres_url)
         assert app.state.orchestrator.wal is None  # PostgreSQL makes its commits durable itself
         with TestClient(app) as http:
             client = lambda **kw: OrchestratorClient("http://testserver", http=http,  # noqa: E731

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
                              Verdict, assigned_task_ids, sign_request, solve_challenge)
-from orchestrator.process import OrchestratorProcess, free_port
+from helpers import OrchestratorProcess, free_port
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)
 TOKEN = "admin-secret"

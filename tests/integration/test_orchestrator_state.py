@@ -13,7 +13,7 @@ from sqlalchemy import text
 from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
                              Verdict, assigned_sample_seeds, assigned_task_ids, solve_challenge)
 from intellect.config import load_config
-from orchestrator.app import create_app
+from intellect.orchestrator_cli import build_app
 from orchestrator.db import SCHEMA_VERSION, SchemaError, open_database, sqlite_url
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)
@@ -42,7 +42,7 @@ class Pool:
                      "data.prompts_per_step": 4, "data.samples_per_prompt": 2, "trainer.batch_size": 8,
                      "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2, **settings}
         cfg = load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={})
-        self.app = create_app(cfg, clock=self.clock)
+        self.app = build_app(cfg, clock=self.clock)
         self.svc = self.app.state.orchestrator
         self.http = TestClient(self.app)
         self.admin = self.client(admin_token="tok")

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -59,12 +60,6 @@ def assert_landed(out: Path, version: int, files: dict[str, bytes], origin: Path
     assert sorted(p.name for p in vdir.iterdir() if p.name != ".synced") == sorted([*files, "manifest.json", "STABLE"])
     for name, data in files.items():
         assert (vdir / name).read_bytes() == data, name
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str, timeout: float = 10.0):

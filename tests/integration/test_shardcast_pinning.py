@@ -169,13 +169,13 @@ HW = HardwareReport(cpu_count=2, memory_gib=4)
 
 def orchestrator(tmp_path):
     from intellect.config import load_config
-    from orchestrator.app import create_app
+    from intellect.orchestrator_cli import build_app
 
     overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",
                  "trainer.async_level": 1, "data.prompts_per_step": 4, "data.samples_per_prompt": 2,
                  "trainer.batch_size": 8, "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2,
                  "orchestrator.challenge_size": 0}
-    app = create_app(load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={}))
+    app = build_app(load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={}))
     http = TestClient(app)
 
     def node(key=None, admin_token=None) -> OrchestratorClient:

@@ -23,7 +23,7 @@ import pytest
 
 from bridge.protocol import OrchestratorClient, public_key_hex, load_or_create_key
 from bridge.rollouts import RolloutStore
-from orchestrator.process import OrchestratorProcess, free_port
+from helpers import OrchestratorProcess, free_port
 
 TOKEN = "itest-admin"
 CONFIG = """

@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,9 @@ from pathlib import Path
 import pytest
 
 from intellect import cli
-from intellect.config import OrchestratorConfig, load_config
+from intellect.config import load_config
+from orchestrator.config import OrchestratorConfig
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 POD = REPO / "scripts" / "tpu" / "pod.py"
@@ -73,12 +74,6 @@ def _pin(requirements: list[str], name: str) -> str:
     pins = [r.split("==", 1)[1] for r in requirements if r.split("==")[0] == name and "==" in r]
     assert len(pins) == 1, (name, requirements)
     return pins[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -314,7 +309,7 @@ def test_host_launch_explains_bad_metadata(attributes, message, monkeypatch, cap
 def test_host_launch_starts_a_real_jax_process_group():
     """Two hosts, each with its own metadata server, form one jax.distributed group of 2 x 2 CPU devices through
     the config path `intellect train` takes (load_config -> init_distributed)."""
-    port = _free_port()
+    port = free_port()
     program = ("import jax; from intellect.config import load_config; "
                "from intellect.learner_setup import init_distributed; init_distributed(load_config()); "
                "print(jax.process_index(), jax.process_count(), jax.device_count(), flush=True); "

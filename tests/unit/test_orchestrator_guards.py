@@ -11,7 +11,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from bridge.protocol import (HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy, sign_request,
                              verify_signature, weak_public_key)
-from intellect.config import OrchestratorConfig, load_config
+from intellect.config import load_config
+from orchestrator.config import OrchestratorConfig
 from orchestrator.guards import (BodyError, BoundedFormatter, address_group, decode_json, is_json_content_type,
                                  validation_errors)
 
@@ -136,10 +137,11 @@ def test_a_ban_during_the_challenge_check_is_kept(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
     import orchestrator.app as service
+    from intellect.orchestrator_cli import build_app
 
     cfg = load_config(None, [f"--run.dir={tmp_path}", "--orchestrator.allow_cpu_nodes=true",
                              "--orchestrator.challenge_size=16", "--orchestrator.admin_token=tok"], env={})
-    app = service.create_app(cfg)
+    app = build_app(cfg)
     hardware = HardwareReport(cpu_count=1, memory_gib=1)
     solve = service.solve_challenge
 

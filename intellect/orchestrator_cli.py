@@ -1,9 +1,20 @@
-"""`intellect orchestrator CONFIG`: run the coordination service on [orchestrator] host:port until interrupted."""
+"""`intellect orchestrator CONFIG`: run the coordination service (`orchestrator`) on [orchestrator] host:port
+until interrupted. The service takes its own section and the few values of the other sections it needs
+(`service_values`)."""
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from intellect.config import Config
+    from orchestrator.service import RunValues
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -12,12 +23,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "(and the learner) need orchestrator.admin_token, e.g. INTELLECT_ORCHESTRATOR__ADMIN_TOKEN.")
 
 
+def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
+    """The values of `cfg`'s other sections the service needs; storage: `database_url`, else
+    orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db (run.dir is created)."""
+    from orchestrator.db import sqlite_url
+    from orchestrator.service import RunValues
+
+    url = database_url or cfg.orchestrator.database_url
+    if url is None:
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        url = sqlite_url(cfg.run.db_path)
+    sc = cfg.shardcast
+    return RunValues(name=cfg.run.name, database_url=url, async_level=cfg.trainer.async_level,
+                     prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.data.samples_per_prompt,
+                     max_tokens=cfg.worker.max_tokens or cfg.data.max_new_tokens,
+                     relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]))
+
+
+def build_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:
+    """The service's FastAPI application for the whole config `cfg` (see `service_values` for the storage)."""
+    from orchestrator.app import create_app
+
+    return create_app(cfg.orchestrator, service_values(cfg, database_url), clock)
+
+
 def run(args: argparse.Namespace) -> int:
     import gc
     import logging
 
     from intellect.cli import config_from_args
-    from orchestrator.app import create_app
     from orchestrator.db import SchemaError
     from orchestrator.guards import address_group, bound_log_lines
     from orchestrator.server import Limits, serve
@@ -26,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     bound_log_lines()  # no request makes a log record longer than a few kB
     try:
-        app = create_app(cfg)
+        app = build_app(cfg)
     except SchemaError as exc:
         print(f"intellect orchestrator: {exc}", flush=True)
         return 1

@@ -1,9 +1,11 @@
-"""Start `intellect orchestrator` as a child process on this machine and wait until it answers (launchers,
-benchmarks and tests). The process runs exactly as a user starts it: `python -m intellect orchestrator`."""
+"""Helpers shared by the tests (tests/ is on `sys.path`, as tests/conftest.py's directory: `from helpers import`).
+
+`OrchestratorProcess` starts `intellect orchestrator` as a child process on this machine and waits until it
+answers; it runs exactly as a user starts it: `python -m intellect orchestrator`. `free_port` is the
+launcher's."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,12 +13,9 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from intellect.launcher import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["OrchestratorProcess", "free_port"]
 
 
 class OrchestratorProcess:
