@@ -105,9 +105,8 @@ def worker_jax(args) -> None:
     import jax
     from flax import nnx
 
-    from jax_trainer.loss import LossSettings
+    from jax_trainer.config import LossConfig, OptimConfig
     from jax_trainer.models import load_hf
-    from jax_trainer.optim import OptimSettings
     from jax_trainer.sharding import make_mesh
     from jax_trainer.train_step import GRPOTrainer
 
@@ -121,9 +120,9 @@ def worker_jax(args) -> None:
     def setup():
         mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
         model = load_hf(args.model_dir, mesh=mesh, verify=False)
-        optim = OptimSettings(lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS,
+        optim = OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS,
                               grad_clip=GRAD_CLIP, warmup_steps=0)
-        trainer = GRPOTrainer(model, mesh, LossSettings(logprob_source="inference"), optim)
+        trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference"), optim)
         box["trainer"], box["state"] = trainer, trainer.init_state(nnx.split(model)[1])
         box["batch"] = trainer.device_batch(_packed(make_batch(args)))
         compile_s.clear()

@@ -32,13 +32,9 @@ def mesh_from_config(cfg: Config):
 
 
 def trainer_for(cfg: Config, model, mesh, reference=None):
-    from jax_trainer.loss import LossSettings
-    from jax_trainer.optim import OptimSettings
-    from jax_trainer.train_step import GRPOTrainer, StepSettings
+    from jax_trainer.train_step import GRPOTrainer
 
-    return GRPOTrainer(model, mesh, LossSettings.from_config(cfg.loss),
-                       OptimSettings.from_config(cfg.optim, cfg.trainer.steps),
-                       StepSettings(cfg.trainer.steps_per_batch, cfg.trainer.logprob_chunk), reference)
+    return GRPOTrainer(model, mesh, cfg.loss, cfg.optim, cfg.trainer, reference)
 
 
 def load_base(cfg: Config, path: str | Path, mesh):

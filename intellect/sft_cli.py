@@ -20,7 +20,6 @@ Flags (defaults suit the tiny CPU demo): `--steps` 200, `--lr` 1e-3, `--warmup` 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -105,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
     from gpu_workers.checks import stop_token_ids
     from intellect.learner_setup import load_base, mesh_from_config
     from jax_trainer.models import export_hf
-    from jax_trainer.optim import OptimSettings
     from jax_trainer.sft import SFTTrainer, pack_examples, sft_loop
 
     t0 = time.perf_counter()
@@ -118,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     mesh = mesh_from_config(cfg)
     model = load_base(cfg, base, mesh)
-    optim = dataclasses.replace(OptimSettings.from_config(cfg.optim, args.steps), lr=args.lr,
-                                warmup_steps=args.warmup)
-    trainer = SFTTrainer(model, mesh, optim, cfg.trainer.logprob_chunk)
+    optim = cfg.optim.model_copy(update={"lr": args.lr, "warmup_steps": args.warmup})
+    trainer = SFTTrainer(model, mesh, optim, cfg.trainer.model_copy(update={"steps": args.steps}))
     state = trainer.init_state(nnx.split(model)[1])
     rng = np.random.default_rng(cfg.trainer.seed)
 

@@ -33,7 +33,7 @@ def build_learner(cfg):
     )
     from jax_trainer.checkpoint import Checkpointer
     from jax_trainer.data import RolloutPipeline, StoreListing
-    from jax_trainer.learner import Learner, LearnerSettings
+    from jax_trainer.learner import Learner
 
     init_distributed(cfg)
     run_dir = Path(cfg.run.dir)
@@ -74,10 +74,7 @@ def build_learner(cfg):
         advantage_mode="std" if cfg.loss.std_normalize else "mean", drop_zero_groups=cfg.data.online_filter,
         async_level=t.async_level,
         keep_versions=t.rollout_keep_versions)
-    settings = LearnerSettings(steps=t.steps, async_level=t.async_level, export_interval=t.export_interval,
-                               checkpoint_interval=t.checkpoint_interval, export_dtype=t.export_dtype,
-                               batch_timeout_s=t.batch_timeout_s)
-    learner = Learner(trainer, source, run_dir, base_dir, settings, ckpt, announce=announce)
+    learner = Learner(trainer, source, run_dir, base_dir, t, ckpt, announce=announce)
     return learner, params
 
 

@@ -14,7 +14,6 @@ A learner started on a run directory that has checkpoints resumes from the newes
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -24,30 +23,23 @@ import jax
 import numpy as np
 
 from jax_trainer.checkpoint import Checkpointer
+from jax_trainer.config import TrainerConfig
 from jax_trainer.models.hf import export_hf
 from jax_trainer.source import BatchSource
 from jax_trainer.train_step import GRPOTrainer, TrainState
 
 
-@dataclasses.dataclass(frozen=True)
-class LearnerSettings:
-    steps: int  # train until this many optimizer steps (the final policy version)
-    async_level: int = 2
-    export_interval: int = 1
-    checkpoint_interval: int = 50  # 0: never (a final checkpoint is still written)
-    export_dtype: str = "bfloat16"
-    batch_timeout_s: float = 600.0
-
-
 class Learner:
     def __init__(self, trainer: GRPOTrainer, source: BatchSource, run_dir: str | Path, base_model_dir: str | Path,
-                 settings: LearnerSettings, checkpointer: Checkpointer | None = None,
+                 config: TrainerConfig, checkpointer: Checkpointer | None = None,
                  announce: Callable[[int, Path], None] | None = None, progress: bool = True):
+        """Of `config` the loop reads `steps`, `export_interval`, `checkpoint_interval`, `export_dtype` and
+        `batch_timeout_s`; `trainer` and `source` were built from the rest of it."""
         self.trainer = trainer
         self.source = source
         self.run_dir = Path(run_dir)
         self.base_model_dir = Path(base_model_dir)
-        self.settings = settings
+        self.config = config
         self.checkpointer = checkpointer or Checkpointer(self.run_dir / "checkpoints")
         self.announce = announce
         self.progress = progress
@@ -70,7 +62,7 @@ class Learner:
         out = self.weights_dir / f"v{version:06d}"
         if not _on_all_processes((out / "STABLE").exists()):
             export_hf(self.trainer.model(state.params), out, version=version, source_dir=self.base_model_dir,
-                      dtype=self.settings.export_dtype)
+                      dtype=self.config.export_dtype)
         if self.announce is not None and self.is_writer:
             self.announce(version, out)
         return out
@@ -89,7 +81,7 @@ class Learner:
 
     # ---- loop --------------------------------------------------------------------------------------------
     def run(self, params) -> TrainState:
-        s = self.settings
+        s = self.config
         state = self.initial_state(params)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.export(state)  # the version workers start from (0, or the resumed one)
@@ -101,7 +93,7 @@ class Learner:
         return state
 
     def _one_step(self, state: TrainState, bar: "_Progress") -> TrainState:
-        s = self.settings
+        s = self.config
         step = _scalar(state.step)
         t0 = time.perf_counter()
         batch = self.source.next(step, timeout=s.batch_timeout_s)

@@ -20,36 +20,11 @@ exist, not in the forward and not in the backward.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 
+from jax_trainer.config import LossConfig
 from jax_trainer.kernels import sampled_logprobs
-
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSettings:
-    """The loss's knobs; field names match the `[loss]` config section."""
-
-    eps_low: float = 0.2  # PPO clip below 1
-    eps_high: float = 0.2  # PPO clip above 1 (raise it for DAPO's clip-higher)
-    delta: float = 4.0  # ratio cap for negative advantages (INTELLECT-2's two-sided clipping)
-    aggregation: Aggregation = "token_mean"
-    constant_normalizer: float = 32768.0  # token budget for aggregation="constant"
-    kl_coef: float = 0.0  # weight of the k3 KL to the reference policy (0: no reference model)
-    entropy_coef: float = 0.0  # entropy bonus
-    tis_cap: float | None = None  # truncated importance sampling cap C against inference logprobs (None: off)
-    temperature: float = 1.0  # sampling temperature of the workers; logits are divided by it
-    logprob_source: Literal["recompute", "inference"] = "recompute"  # where pi_old comes from
-
-    @classmethod
-    def from_config(cls, section) -> "LossSettings":
-        """From the `[loss]` config section (any object with these attributes)."""
-        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
 
 
 def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0,
@@ -74,7 +49,7 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, tempe
     return lp, ent
 
 
-def token_weights(mask: jax.Array, completion_lens: jax.Array, settings: LossSettings,
+def token_weights(mask: jax.Array, completion_lens: jax.Array, config: LossConfig,
                   total_tokens: jax.Array, total_samples: jax.Array) -> jax.Array:
     """Per-token weights of the loss sum; the normaliser of each mode:
 
@@ -84,17 +59,17 @@ def token_weights(mask: jax.Array, completion_lens: jax.Array, settings: LossSet
                            sample's tokens, then mean over samples (the original GRPO; biased to short).
     - constant:            1 / constant_normalizer, a fixed token budget (Dr. GRPO): no length bias at all.
     """
-    if settings.aggregation == "token_mean":
+    if config.aggregation == "token_mean":
         return mask / jnp.maximum(total_tokens, 1.0)
-    if settings.aggregation == "seq_mean_token_mean":
+    if config.aggregation == "seq_mean_token_mean":
         return mask / (jnp.maximum(completion_lens, 1.0) * jnp.maximum(total_samples, 1.0))
-    if settings.aggregation == "constant":
-        return mask / settings.constant_normalizer
-    raise ValueError(f"loss.aggregation {settings.aggregation!r} is not one of token_mean, seq_mean_token_mean, constant")
+    if config.aggregation == "constant":
+        return mask / config.constant_normalizer
+    raise ValueError(f"loss.aggregation {config.aggregation!r} is not one of token_mean, seq_mean_token_mean, constant")
 
 
 def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, weights: jax.Array,
-                mask: jax.Array, settings: LossSettings, *, inference_logprobs: jax.Array | None = None,
+                mask: jax.Array, config: LossConfig, *, inference_logprobs: jax.Array | None = None,
                 ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None):
     """(loss, sums): the weighted loss of one micro-batch and token-summed statistics for the metrics.
 
@@ -105,28 +80,28 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
     log_ratio = logprobs - old
     ratio = jnp.exp(log_ratio)
     neg = advantages < 0
-    surr1 = advantages * jnp.where(neg, jnp.minimum(ratio, settings.delta), ratio)
-    surr2 = advantages * jnp.clip(ratio, 1.0 - settings.eps_low, 1.0 + settings.eps_high)
+    surr1 = advantages * jnp.where(neg, jnp.minimum(ratio, config.delta), ratio)
+    surr2 = advantages * jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
     per_token = -jnp.minimum(surr1, surr2)
-    if settings.tis_cap is not None:
+    if config.tis_cap is not None:
         if inference_logprobs is None:
             raise ValueError("loss.tis_cap is set but no inference logprobs were given")
-        per_token = per_token * jax.lax.stop_gradient(jnp.minimum(jnp.exp(old - inference_logprobs), settings.tis_cap))
+        per_token = per_token * jax.lax.stop_gradient(jnp.minimum(jnp.exp(old - inference_logprobs), config.tis_cap))
     pg = jnp.sum(weights * per_token)
     total = pg
     kl_sum = jnp.zeros((), jnp.float32)
-    if settings.kl_coef:
+    if config.kl_coef:
         if ref_logprobs is None:
             raise ValueError("loss.kl_coef > 0 but no reference logprobs were given")
         d = jax.lax.stop_gradient(ref_logprobs) - logprobs
         k3 = jnp.exp(d) - d - 1.0
-        total = total + settings.kl_coef * jnp.sum(weights * k3)
+        total = total + config.kl_coef * jnp.sum(weights * k3)
         kl_sum = jnp.sum(mask * k3)
     ent_sum = jnp.zeros((), jnp.float32)
     if entropy is not None:
         ent_sum = jnp.sum(mask * jax.lax.stop_gradient(entropy))
-        if settings.entropy_coef:
-            total = total - settings.entropy_coef * jnp.sum(weights * entropy)
+        if config.entropy_coef:
+            total = total - config.entropy_coef * jnp.sum(weights * entropy)
 
     pos = advantages > 0
     masked_ratio = jnp.where(mask > 0, ratio, 0.0)
@@ -135,9 +110,9 @@ def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Ar
         "pg_loss": pg,
         "kl_ref_sum": kl_sum,
         "entropy_sum": ent_sum,
-        "clip_low_sum": jnp.sum(mask * (neg & (ratio < 1.0 - settings.eps_low))),
-        "clip_high_sum": jnp.sum(mask * (pos & (ratio > 1.0 + settings.eps_high))),
-        "clip_delta_sum": jnp.sum(mask * (neg & (ratio > settings.delta))),
+        "clip_low_sum": jnp.sum(mask * (neg & (ratio < 1.0 - config.eps_low))),
+        "clip_high_sum": jnp.sum(mask * (pos & (ratio > 1.0 + config.eps_high))),
+        "clip_delta_sum": jnp.sum(mask * (neg & (ratio > config.delta))),
         "ratio_sum": jnp.sum(masked_ratio),
         "ratio_max": jnp.max(masked_ratio),
     }

@@ -30,10 +30,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jax_trainer.loss import LossSettings, token_logprobs
-from jax_trainer.optim import OptimSettings
+from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
+from jax_trainer.loss import token_logprobs
 from jax_trainer.packing import PackedBatch, Sample, pack
-from jax_trainer.train_step import GRPOTrainer, StepSettings, TrainState
+from jax_trainer.train_step import GRPOTrainer, TrainState
 
 
 def sft_samples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], names: Sequence[str] | None = None
@@ -77,8 +77,11 @@ def _argmax_hits(hidden: jax.Array, head: jax.Array, targets: jax.Array, chunk: 
 class SFTTrainer(GRPOTrainer):
     """The GRPO trainer's state and plumbing with a cross-entropy step (see the module docstring)."""
 
-    def __init__(self, model: nnx.Module, mesh: Mesh, optim: OptimSettings, logprob_chunk: int = 128):
-        super().__init__(model, mesh, LossSettings(temperature=1.0), optim, StepSettings(1, logprob_chunk))
+    def __init__(self, model: nnx.Module, mesh: Mesh, optim: OptimConfig, trainer: TrainerConfig | None = None):
+        """Of `trainer` the step reads `logprob_chunk` and `steps` (the schedule's length); one optimizer step
+        per batch, logits at temperature 1."""
+        trainer = (trainer if trainer is not None else TrainerConfig()).model_copy(update={"steps_per_batch": 1})
+        super().__init__(model, mesh, LossConfig(temperature=1.0), optim, trainer)
         self._eval = None
 
     def _micro_sums(self, params, mb: dict[str, jax.Array]):
@@ -86,9 +89,9 @@ class SFTTrainer(GRPOTrainer):
         model = nnx.merge(self.graphdef, params)
         hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
         targets, mask = mb["tokens"][:, 1:], mb["loss_mask"][:, 1:]
-        lp, _ = token_logprobs(hidden, model.head(), targets, 1.0, self.settings.logprob_chunk)
+        lp, _ = token_logprobs(hidden, model.head(), targets, 1.0, self.config.logprob_chunk)
         hits = _argmax_hits(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(model.head()), targets,
-                            self.settings.logprob_chunk)
+                            self.config.logprob_chunk)
         return -jnp.sum(mask * lp), jnp.sum(mask * hits), jnp.sum(mask)
 
     def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):

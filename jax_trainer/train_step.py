@@ -18,7 +18,6 @@ over `data` x `fsdp` along its rows. The state is donated, so the step updates i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -28,8 +27,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_trainer.loss import LossSettings, policy_loss, token_logprobs, token_weights
-from jax_trainer.optim import OptimSettings, make_optimizer
+from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
+from jax_trainer.loss import policy_loss, token_logprobs, token_weights
+from jax_trainer.optim import make_optimizer
 from jax_trainer.packing import PackedBatch
 from jax_trainer.sharding import logical_to_spec, param_shardings
 
@@ -43,12 +43,6 @@ class TrainState:
     opt_state: Any
     step: jax.Array  # optimizer steps applied (= the policy version these parameters are)
     skipped: jax.Array  # updates skipped because the loss or the gradient was not finite
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSettings:
-    steps_per_batch: int = 1  # optimizer steps per rollout batch (INTELLECT-2's step_per_rollout)
-    logprob_chunk: int = 128  # sequence positions per chunk of the chunked LM head
 
 
 def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -65,14 +59,16 @@ def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 class GRPOTrainer:
     """Builds the optimizer, the (abstract) initial state and the jitted step for one model and mesh."""
 
-    def __init__(self, model: nnx.Module, mesh: Mesh, loss: LossSettings, optim: OptimSettings,
-                 step: StepSettings = StepSettings(), reference: nnx.Module | None = None):
-        """`model` may be abstract (`nnx.eval_shape`) when the state will come from a checkpoint."""
+    def __init__(self, model: nnx.Module, mesh: Mesh, loss: LossConfig, optim: OptimConfig,
+                 trainer: TrainerConfig | None = None, reference: nnx.Module | None = None):
+        """`model` may be abstract (`nnx.eval_shape`) when the state will come from a checkpoint. Of `trainer`
+        (default: its defaults) the step reads `steps_per_batch`, `logprob_chunk` and `steps` (the length of
+        the learning-rate schedule)."""
         self.mesh = mesh
         self.loss = loss
         self.optim = optim
-        self.settings = step
-        self.tx = make_optimizer(optim)
+        self.config = trainer if trainer is not None else TrainerConfig()
+        self.tx = make_optimizer(optim, self.config.steps)
         self.graphdef, params = nnx.split(model)
         self.param_shardings = param_shardings(params, mesh)
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -129,10 +125,10 @@ class GRPOTrainer:
         model = nnx.merge(self.graphdef, params)
         hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
         return token_logprobs(hidden, model.head(), mb["tokens"][:, 1:], self.loss.temperature,
-                              self.settings.logprob_chunk)
+                              self.config.logprob_chunk)
 
     def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):
-        loss_cfg, k = self.loss, self.settings.steps_per_batch
+        loss_cfg, k = self.loss, self.config.steps_per_batch
         shifted = _shift(batch)
         m = batch["tokens"].shape[0]
         if m % k:

@@ -16,9 +16,8 @@ def main() -> None:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     from flax import nnx
 
-    from jax_trainer.loss import LossSettings
+    from jax_trainer.config import LossConfig, OptimConfig
     from jax_trainer.models import ModelConfig, init_random
-    from jax_trainer.optim import OptimSettings
     from jax_trainer.sharding import make_mesh
     from jax_trainer.source import InMemorySource, Rollout
     from jax_trainer.train_step import GRPOTrainer
@@ -34,7 +33,7 @@ def main() -> None:
 
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     model = init_random(cfg, mesh=mesh, seed=0)
-    trainer = GRPOTrainer(model, mesh, LossSettings(), OptimSettings(lr=1e-3, warmup_steps=0, grad_clip=1.0))
+    trainer = GRPOTrainer(model, mesh, LossConfig(), OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0))
     state = trainer.init_state(nnx.split(model)[1])
     source = InMemorySource(rollouts, rows=8, seq_len=64, async_level=9)
     losses = []

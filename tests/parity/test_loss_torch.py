@@ -10,14 +10,15 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from jax_trainer.loss import LossSettings, policy_loss, token_logprobs, token_weights
+from jax_trainer.config import LossConfig
+from jax_trainer.loss import policy_loss, token_logprobs, token_weights
 from jax_trainer.models import load_hf, tensor_specs
 from jax_trainer.sharding import make_mesh
 
 SETTINGS = {
-    "token_mean+tis+kl": LossSettings(temperature=0.7, tis_cap=1.5, kl_coef=0.1, delta=2.0),
-    "seq_mean+entropy": LossSettings(aggregation="seq_mean_token_mean", entropy_coef=0.02, eps_high=0.28),
-    "constant": LossSettings(aggregation="constant", constant_normalizer=64.0),
+    "token_mean+tis+kl": LossConfig(temperature=0.7, tis_cap=1.5, kl_coef=0.1, delta=2.0),
+    "seq_mean+entropy": LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.02, eps_high=0.28),
+    "constant": LossConfig(aggregation="constant", constant_normalizer=64.0),
 }
 
 

@@ -10,10 +10,9 @@ from flax import nnx
 
 from bridge.rollouts import RolloutStore
 from jax_trainer.data import RolloutPipeline, StoreListing
-from jax_trainer.learner import Learner, LearnerSettings
-from jax_trainer.loss import LossSettings
+from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
+from jax_trainer.learner import Learner
 from jax_trainer.models import load_hf
-from jax_trainer.optim import OptimSettings
 from jax_trainer.sharding import make_mesh
 from jax_trainer.train_step import GRPOTrainer
 from test_data_pipeline import write
@@ -32,11 +31,11 @@ def test_learner_trains_from_the_store_and_resumes_from_the_checkpointed_cursor(
 
     def learner(steps: int) -> tuple[Learner, RolloutPipeline, object]:
         model = load_hf(base, mesh=mesh)
-        trainer = GRPOTrainer(model, mesh, LossSettings(), OptimSettings(lr=1e-3, warmup_steps=0))
+        trainer = GRPOTrainer(model, mesh, LossConfig(), OptimConfig(lr=1e-3, warmup_steps=0))
         source = RolloutPipeline(store, StoreListing(store, rewards=rewards), samples_per_step=8, rows=4,
                                  seq_len=64, micro_batches=2, async_level=2, vocab_size=vocab, poll_interval=0.02)
-        settings = LearnerSettings(steps=steps, export_interval=100, checkpoint_interval=1, export_dtype="float32",
-                                   batch_timeout_s=60)
+        settings = TrainerConfig(steps=steps, export_interval=100, checkpoint_interval=1, export_dtype="float32",
+                                 batch_timeout_s=60)
         return Learner(trainer, source, tmp_path / "run", base, settings, progress=False), source, \
             nnx.split(model)[1]
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jax_trainer.advantages import group_advantages
-from jax_trainer.loss import LossSettings, policy_loss, token_logprobs, token_weights
+from jax_trainer.config import LossConfig
+from jax_trainer.loss import policy_loss, token_logprobs, token_weights
 
 jax.config.update("jax_enable_x64", False)
 
@@ -82,7 +83,7 @@ def test_chunked_logprob_gradient_matches_unchunked():
 
 
 # ---- the policy loss -------------------------------------------------------------------------------------
-def numpy_policy_loss(lp, old, adv, mask, clens, s: LossSettings, inf=None, ref=None, ent=None):
+def numpy_policy_loss(lp, old, adv, mask, clens, s: LossConfig, inf=None, ref=None, ent=None):
     """The loss of the module docstring, term by term, in float64."""
     ratio = np.exp(lp - old)
     capped = np.where(adv < 0, np.minimum(ratio, s.delta), ratio)
@@ -103,13 +104,13 @@ def numpy_policy_loss(lp, old, adv, mask, clens, s: LossSettings, inf=None, ref=
 
 
 CASES = {
-    "token_mean": LossSettings(),
-    "seq_mean_token_mean": LossSettings(aggregation="seq_mean_token_mean"),
-    "constant": LossSettings(aggregation="constant", constant_normalizer=100.0),
-    "clip_higher": LossSettings(eps_low=0.1, eps_high=0.28, delta=2.0),
-    "tis": LossSettings(tis_cap=1.5),
-    "kl": LossSettings(kl_coef=0.05),
-    "entropy": LossSettings(entropy_coef=0.01, aggregation="seq_mean_token_mean"),
+    "token_mean": LossConfig(),
+    "seq_mean_token_mean": LossConfig(aggregation="seq_mean_token_mean"),
+    "constant": LossConfig(aggregation="constant", constant_normalizer=100.0),
+    "clip_higher": LossConfig(eps_low=0.1, eps_high=0.28, delta=2.0),
+    "tis": LossConfig(tis_cap=1.5),
+    "kl": LossConfig(kl_coef=0.05),
+    "entropy": LossConfig(entropy_coef=0.01, aggregation="seq_mean_token_mean"),
 }
 
 
@@ -144,7 +145,7 @@ def test_policy_loss_matches_numpy(name):
 
 def test_two_sided_clip_bounds_the_negative_advantage_loss():
     """INTELLECT-2's delta: with A < 0 the per-token loss stops growing once the ratio passes delta."""
-    s = LossSettings(delta=4.0)
+    s = LossConfig(delta=4.0)
     mask = jnp.ones((1, 3))
     adv = -jnp.ones((1, 3))
     w = token_weights(mask, mask * 3, s, jnp.sum(mask), jnp.asarray(1.0))
@@ -156,7 +157,7 @@ def test_two_sided_clip_bounds_the_negative_advantage_loss():
 
 
 def test_kl_gradient_flows_and_tis_needs_inference_logprobs():
-    s = LossSettings(kl_coef=1.0)
+    s = LossConfig(kl_coef=1.0)
     mask = jnp.ones((1, 2))
     w = token_weights(mask, mask * 2, s, jnp.sum(mask), jnp.asarray(1.0))
     lp = jnp.array([[-1.0, -2.0]])
@@ -164,4 +165,4 @@ def test_kl_gradient_flows_and_tis_needs_inference_logprobs():
     # d/dlp of k3 with ref fixed: -exp(ref - lp) + 1, averaged over 2 tokens
     np.testing.assert_allclose(np.asarray(g), (1 - np.exp(-0.5)) / 2 * np.ones((1, 2)), rtol=1e-5)
     with pytest.raises(ValueError, match="tis_cap"):
-        policy_loss(lp, lp, jnp.zeros((1, 2)), w, mask, LossSettings(tis_cap=2.0))
+        policy_loss(lp, lp, jnp.zeros((1, 2)), w, mask, LossConfig(tis_cap=2.0))

@@ -10,20 +10,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jax_trainer.loss import LossSettings
+from jax_trainer.config import LossConfig, OptimConfig
 from jax_trainer.models import ModelConfig, abstract_model, init_random
-from jax_trainer.optim import OptimSettings
 from jax_trainer.plan import extrapolate_layers, plan_step
 from jax_trainer.sharding import make_mesh
 from jax_trainer.train_step import GRPOTrainer
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_embeddings=False)
-OPTIM = OptimSettings(lr=1e-3, warmup_steps=0, grad_clip=1.0)
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0)
 
 
 def _trainer(cfg, mesh, remat=False):
-    return GRPOTrainer(abstract_model(cfg, remat=remat), mesh, LossSettings(), OPTIM)
+    return GRPOTrainer(abstract_model(cfg, remat=remat), mesh, LossConfig(), OPTIM)
 
 
 def test_plan_counts_the_parameters_and_adam_moments_of_each_shard():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jax_trainer.models import load_hf
-from jax_trainer.optim import OptimSettings
+from jax_trainer.config import OptimConfig, TrainerConfig
 from jax_trainer.sft import SFTTrainer, pack_examples
 from jax_trainer.sharding import make_mesh
 
@@ -63,7 +63,7 @@ def test_loss_and_accuracy_match_transformers(setup):
     model_dir, mesh, model, examples, packed = setup
     assert packed.shape[0] >= 2, "the batch must span several micro-batches to test accumulation"
     assert packed.completion_tokens == sum(len(c) for _, c in examples)
-    trainer = SFTTrainer(model, mesh, OptimSettings(lr=1e-3, warmup_steps=0), logprob_chunk=16)
+    trainer = SFTTrainer(model, mesh, OptimConfig(lr=1e-3, warmup_steps=0), TrainerConfig(logprob_chunk=16))
     state = trainer.init_state(_fresh_params(model))
     ref_loss, ref_acc = _torch_reference(model_dir, examples)
     got = trainer.evaluate(state.params, trainer.device_batch(packed))
@@ -77,7 +77,7 @@ def test_loss_and_accuracy_match_transformers(setup):
 
 def test_steps_lower_the_loss_of_a_fixed_batch(setup):
     model_dir, mesh, model, examples, packed = setup
-    trainer = SFTTrainer(model, mesh, OptimSettings(lr=3e-3, warmup_steps=0, grad_clip=1.0, weight_decay=0.0))
+    trainer = SFTTrainer(model, mesh, OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=1.0, weight_decay=0.0))
     state = trainer.init_state(_fresh_params(model))
     batch = trainer.device_batch(packed)
     first = trainer.evaluate(state.params, batch)["loss"]

@@ -11,14 +11,13 @@ import pytest
 from flax import nnx
 
 from jax_trainer.checkpoint import Checkpointer
-from jax_trainer.learner import Learner, LearnerSettings
-from jax_trainer.loss import LossSettings
+from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
+from jax_trainer.learner import Learner
 from jax_trainer.models import ModelConfig, init_random, load_hf
-from jax_trainer.optim import OptimSettings
 from jax_trainer.packing import Sample, pack
 from jax_trainer.sharding import make_mesh
 from jax_trainer.source import InMemorySource, Rollout, build_step_batch
-from jax_trainer.train_step import GRPOTrainer, StepSettings
+from jax_trainer.train_step import GRPOTrainer
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, tie_embeddings=False)
@@ -35,10 +34,10 @@ def rollouts(position: int, n: int = 8, group: int = 4, vocab: int = 96, version
     return out
 
 
-def make_trainer(mesh, loss=LossSettings(tis_cap=2.0), optim=None, steps=StepSettings(), seed=0):
+def make_trainer(mesh, loss=LossConfig(tis_cap=2.0), optim=None, config=TrainerConfig(), seed=0):
     model = init_random(CFG, mesh=mesh, seed=seed)
-    optim = optim or OptimSettings(lr=1e-3, warmup_steps=0, grad_clip=1.0)
-    trainer = GRPOTrainer(model, mesh, loss, optim, steps)
+    optim = optim or OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0)
+    trainer = GRPOTrainer(model, mesh, loss, optim, config)
     return trainer, trainer.init_state(nnx.split(model)[1])
 
 
@@ -49,7 +48,7 @@ def leaves(state):
 def test_sharded_step_equals_unsharded_step():
     source = InMemorySource(rollouts, rows=4, seq_len=64, async_level=10)
     batch = source.next(0).packed
-    optim = OptimSettings(lr=1e-3, warmup_steps=0, grad_clip=1.0, eps=1e-3)  # eps keeps Adam away from sign()
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0, eps=1e-3)  # eps keeps Adam away from sign()
     results = []
     for mesh in (make_mesh(fsdp=1, devices=jax.devices()[:1]), make_mesh(data=1, fsdp=4, tensor=2)):
         trainer, state = make_trainer(mesh, optim=optim)
@@ -78,7 +77,7 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
 
 def test_several_optimizer_steps_per_batch_move_the_ratio():
     mesh = make_mesh(fsdp=-1)
-    trainer, state = make_trainer(mesh, steps=StepSettings(steps_per_batch=2))
+    trainer, state = make_trainer(mesh, config=TrainerConfig(steps_per_batch=2))
     batch = InMemorySource(rollouts, rows=2, seq_len=64, multiple_of=2, async_level=10).next(0).packed
     assert batch.shape[0] % 2 == 0
     state, metrics = trainer.step(state, trainer.device_batch(batch))
@@ -119,7 +118,7 @@ def test_grpo_learns_to_emit_the_rewarded_token():
                       num_heads=4, num_kv_heads=2, head_dim=16)
     mesh = make_mesh(fsdp=-1)
     model = init_random(cfg, mesh=mesh, seed=1)
-    trainer = GRPOTrainer(model, mesh, LossSettings(), OptimSettings(lr=3e-3, warmup_steps=0, grad_clip=1.0))
+    trainer = GRPOTrainer(model, mesh, LossConfig(), OptimConfig(lr=3e-3, warmup_steps=0, grad_clip=1.0))
     state = trainer.init_state(nnx.split(model)[1])
     prompt = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32)
     rng = np.random.default_rng(0)
@@ -150,12 +149,12 @@ def test_grpo_learns_to_emit_the_rewarded_token():
 def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path):
     base = tiny_model(family="qwen2")
     mesh = make_mesh(fsdp=-1)
-    settings = LearnerSettings(steps=3, export_interval=1, checkpoint_interval=2, export_dtype="float32")
+    settings = TrainerConfig(steps=3, export_interval=1, checkpoint_interval=2, export_dtype="float32")
     announced = []
 
     def learner():
         model = load_hf(base, mesh=mesh)
-        trainer = GRPOTrainer(model, mesh, LossSettings(), OptimSettings(lr=1e-3, warmup_steps=0))
+        trainer = GRPOTrainer(model, mesh, LossConfig(), OptimConfig(lr=1e-3, warmup_steps=0))
         source = InMemorySource(lambda pos: rollouts(pos, vocab=512, version=max(pos - 1, 0)),
                                 rows=4, seq_len=64, async_level=2)
         return Learner(trainer, source, tmp_path, base, settings, announce=lambda v, d: announced.append(v),
@@ -175,8 +174,8 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
     assert first.checkpointer.all_steps() == [2, 3]
 
     resumed, params = learner()  # a new process would do this: it picks up step 3 and the source cursor
-    settings2 = LearnerSettings(steps=4, export_interval=1, checkpoint_interval=2, export_dtype="float32")
-    resumed.settings = settings2
+    settings2 = TrainerConfig(steps=4, export_interval=1, checkpoint_interval=2, export_dtype="float32")
+    resumed.config = settings2
     state = resumed.run(params)
     assert int(state.step) == 4 and resumed.source.cursor() == {"position": 4}
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
@@ -198,11 +197,11 @@ def test_remat_step_equals_the_plain_step():
     """Gradient checkpointing changes memory, not numbers, with pi_old recomputed inside the step's map too."""
     mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
     batch = InMemorySource(rollouts, rows=4, seq_len=64, async_level=10).next(0).packed
-    optim = OptimSettings(lr=1e-3, warmup_steps=0, grad_clip=1.0, eps=1e-3)
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0, eps=1e-3)
     results = []
     for remat in (False, True):
         model = init_random(CFG, mesh=mesh, seed=0, remat=remat)
-        trainer = GRPOTrainer(model, mesh, LossSettings(tis_cap=2.0, logprob_source="recompute"), optim)
+        trainer = GRPOTrainer(model, mesh, LossConfig(tis_cap=2.0, logprob_source="recompute"), optim)
         state = trainer.init_state(nnx.split(model)[1])
         state, metrics = trainer.step(state, trainer.device_batch(batch))
         results.append((leaves(state), float(metrics["loss"])))
