@@ -275,13 +275,14 @@ VARIANTS = {"ours": {}, "ours_no_fsync": {"INTELLECT_SHARDCAST__FSYNC": "false"}
 
 def summarize(entry: dict, raw: float) -> None:
     """Best and median end-to-end time of each implementation, its slowest client as a fraction of raw."""
-    for name, runs in list(entry.items()):
+    for name in [*VARIANTS, "reference"]:
+        runs = entry.get(name)
         if isinstance(runs, list) and runs:
             times = [run["end_to_end_s"] for run in runs]
             entry[f"{name}_best_s"], entry[f"{name}_median_s"] = min(times), statistics.median(times)
             entry[f"{name}_slowest_client_fraction_of_raw"] = round(
                 statistics.median(min(run["per_client_mb_s"]) for run in runs) / raw, 3)
-    if entry.get("reference"):
+    if "reference_best_s" in entry:  # the reference ran (it is a note instead when it could not be installed)
         for name in VARIANTS:
             entry[f"{name}_speedup_best_vs_best"] = round(entry["reference_best_s"] / entry[f"{name}_best_s"], 2)
 
@@ -324,7 +325,10 @@ def main() -> None:
                 if has_reference:
                     work = root / f"ref-{n}-{r}"
                     work.mkdir()
-                    entry["reference"].append(run_reference(payload, n, work, procs, args.reference))
+                    try:
+                        entry["reference"].append(run_reference(payload, n, work, procs, args.reference))
+                    except (RuntimeError, OSError, subprocess.SubprocessError) as e:  # ours are still reported
+                        entry.setdefault("reference_errors", []).append(str(e)[-500:])
                     shutil.rmtree(work)
                     os.sync()
         raw = statistics.median(report["raw_loopback_mb_s"])
