@@ -67,7 +67,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from bridge.protocol import BATCH_ID_PATTERN
+from bridge.protocol.messages import BATCH_ID_PATTERN
 
 SCHEMA_VERSION = 1
 PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (docs/design.md section 7)

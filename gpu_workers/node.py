@@ -22,8 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from bridge.protocol import (GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError, RegisterResponse,
-                             load_or_create_key, public_key_hex, solve_challenge)
+from bridge.protocol.challenge import solve_challenge
+from bridge.protocol.clients import OrchestratorClient, OrchestratorError
+from bridge.protocol.messages import GpuInfo, HardwareReport, RegisterResponse
+from bridge.protocol.signing import load_or_create_key, public_key_hex
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -219,7 +219,7 @@ class Launcher:
         relays = [f"http://127.0.0.1:{p}" for p in relay_ports]
         worker_keys = [cfg.run.keys_dir / f"worker{i}.key" for i in range(cfg.run.num_workers)]
         validator_keys = [cfg.run.keys_dir / f"validator{i}.key" for i in range(cfg.run.num_validators)]
-        from bridge.protocol import load_or_create_key, public_key_hex
+        from bridge.protocol.signing import load_or_create_key, public_key_hex
 
         allowed = [public_key_hex(load_or_create_key(k)) for k in validator_keys]
         wiring = ["--orchestrator.port", str(orch_port), "--shardcast.host", "127.0.0.1",

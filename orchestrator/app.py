@@ -28,10 +28,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from bridge.protocol import (BATCH_ID_PATTERN, HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, MAX_INT,
-                             PROTOCOL_VERSION, BanRequest, BatchList, BatchStatus, Health, Ledger, NodeInfo, NodeList,
-                             PolicyAnnouncement, PolicyInfo, PublicBatchList, RegisterRequest, RegisterResponse,
-                             solve_challenge)
+from bridge.protocol.challenge import solve_challenge
+from bridge.protocol.messages import (BATCH_ID_PATTERN, MAX_INT, PROTOCOL_VERSION, BanRequest, BatchList, BatchStatus,
+                                      Health, Ledger, NodeInfo, NodeList, PolicyAnnouncement, PolicyInfo,
+                                      PublicBatchList, RegisterRequest, RegisterResponse)
+from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from orchestrator import dashboard
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import SCHEMA_VERSION

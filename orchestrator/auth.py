@@ -27,8 +27,8 @@ from fastapi import HTTPException, Request
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.protocol import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature,
-                             weak_public_key)
+from bridge.protocol.signing import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature,
+                                     weak_public_key)
 from orchestrator.db import SeenNonce, ServiceRun
 
 _KEY = re.compile(r"[0-9a-f]{64}")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 
-from bridge.protocol import Ledger, NodeInfo, PolicyInfo
+from bridge.protocol.messages import Ledger, NodeInfo, PolicyInfo
 from orchestrator.db import ACCEPTED, REJECTED, SUBMITTED, Work
 
 if TYPE_CHECKING:

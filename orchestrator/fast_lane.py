@@ -27,9 +27,9 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from bridge.protocol import (BATCH_ID_PATTERN, HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP,
-                             BatchAnnouncement, BatchRecord, ClaimRequest, ClaimResponse, HeartbeatRequest,
-                             HeartbeatResponse, Verdict)
+from bridge.protocol.messages import (BATCH_ID_PATTERN, BatchAnnouncement, BatchRecord, ClaimRequest, ClaimResponse,
+                                      HeartbeatRequest, HeartbeatResponse, Verdict)
+from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from orchestrator.durability import tracking_commits
 from orchestrator.guards import BodyError, decode_json, is_json_content_type
 

@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 from sqlalchemy import func, select, true
 from sqlalchemy.orm import Session
 
-from bridge.protocol import Ledger, LedgerEntry
+from bridge.protocol.messages import Ledger, LedgerEntry
 from orchestrator.db import ACCEPTED, REJECTED, Node, Work
 from orchestrator.nodes import NodeRegistry
 

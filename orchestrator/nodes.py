@@ -25,7 +25,7 @@ from fastapi import HTTPException
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.protocol import Challenge, HardwareReport, NodeInfo, PoolRequirements, Role
+from bridge.protocol.messages import Challenge, HardwareReport, NodeInfo, PoolRequirements, Role
 from orchestrator.db import LOST, OPEN, Node, Work
 
 HEALTHY, UNHEALTHY, DEAD, PENDING = "healthy", "unhealthy", "dead", "pending"

@@ -18,7 +18,7 @@ accepted ("unproven": every fresh key) hold at most `unproven_share` of the wind
 keys that heartbeat and never deliver cannot hold the window, not even for one deadline.
 
 Assignments are given at the newest version in the window whose weights the worker says it holds, else at V.
-The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.protocol` from
+The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.assignment` from
 (node key, v, k), so a validator recomputes them.
 
 The hot paths (issuing an assignment, announcing, claiming, judging) run prebuilt SQLAlchemy Core statements
@@ -39,8 +39,9 @@ from fastapi import HTTPException
 from sqlalchemy import Engine, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.protocol import (Assignment, BatchAnnouncement, BatchRecord, BatchStatus, PolicyAnnouncement, PolicyInfo,
-                             Verdict, assigned_sample_seeds, assigned_task_ids)
+from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.protocol.messages import (Assignment, BatchAnnouncement, BatchRecord, BatchStatus, PolicyAnnouncement,
+                                      PolicyInfo, Verdict)
 from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
 from orchestrator.nodes import NodeRegistry
 

@@ -18,8 +18,8 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 from sqlalchemy.orm import sessionmaker
 
-from bridge.protocol import (Assignment, BatchAnnouncement, ClaimRequest, ClaimResponse, HeartbeatRequest, PolicyInfo,
-                             PoolRequirements, Verdict)
+from bridge.protocol.messages import (Assignment, BatchAnnouncement, ClaimRequest, ClaimResponse, HeartbeatRequest,
+                                      PolicyInfo, PoolRequirements, Verdict)
 from orchestrator.auth import Authenticator, RateLimiter, start_run, stop_run
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import open_database

@@ -212,7 +212,7 @@ def test_one_batch_id_definition():
     root = Path(__file__).resolve().parents[2]
     declared = [p.relative_to(root).as_posix() for d in ("bridge", "orchestrator") for p in (root / d).rglob("*.py")
                 if "A-Za-z0-9._-]{0,127}" in p.read_text()]
-    assert declared == ["bridge/protocol.py"]
+    assert declared == ["bridge/protocol/messages.py"]
     assert bridge.rollouts._BATCH_ID.pattern == BATCH_ID_PATTERN
 
 

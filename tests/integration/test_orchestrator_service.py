@@ -19,8 +19,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
-                             Verdict, assigned_task_ids, sign_request, solve_challenge)
+from bridge.assignment import assigned_task_ids
+from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorClient,
+                             OrchestratorError, RetryPolicy, Verdict, sign_request, solve_challenge)
 from helpers import OrchestratorProcess, free_port
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)

@@ -10,8 +10,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
-                             Verdict, assigned_sample_seeds, assigned_task_ids, solve_challenge)
+from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError,
+                             RetryPolicy, Verdict, solve_challenge)
 from intellect.config import load_config
 from intellect.orchestrator_cli import build_app
 from orchestrator.db import SCHEMA_VERSION, SchemaError, open_database, sqlite_url

@@ -12,7 +12,6 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
-import bridge.assignment
 from bridge import protocol
 from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError,
                              PolicyInfo, PoolRequirements, RetryPolicy, Verdict, load_or_create_key, public_key_hex,
@@ -67,11 +66,6 @@ def test_challenge_hash_matches_exact_float64_and_python_int_products():
     packed = b"".join(v.to_bytes(8, "little", signed=True) for row in product for v in row)
     assert solve_challenge(9, 5) == hashlib.sha256(packed).hexdigest()
     assert solve_challenge(7, 48) != solve_challenge(8, 48)
-
-
-def test_assignment_functions_are_re_exported_not_copied():
-    for name in ("assignment_seed", "assigned_task_ids", "assigned_sample_seeds"):
-        assert getattr(protocol, name) is getattr(bridge.assignment, name)
 
 
 def test_pool_requirements_name_what_is_missing():

@@ -1,0 +1,106 @@
+"""Node keys and request signatures (docs/design.md section 8).
+
+A node's identity is its ed25519 public key (32 bytes, lowercase hex). Every node request carries
+
+    X-Node-Key   hex public key          X-Timestamp  unix milliseconds
+    X-Nonce      random hex (16-64)      X-Signature  hex signature of the signing string
+
+where the signing string is `METHOD\\nTARGET\\nTIMESTAMP\\nNONCE\\nsha256hex(body)`: TARGET is the request target
+exactly as sent on the wire, the path followed by `?QUERY` when there is a query string (no `?` without one),
+and the body hash is taken over the raw body bytes (empty body: the hash of b""). The server accepts a
+timestamp at most orchestrator.max_clock_skew_s (30 s) off its clock and each nonce once. Operators and the
+learner use `Authorization: Bearer <token>` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import secrets
+import time
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE = "X-Node-Key", "X-Timestamp", "X-Nonce", "X-Signature"
+
+
+def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
+    """The node's private key from a PEM file; a new key is written there (mode 0600) if the file is missing."""
+    path = Path(path)
+    if path.exists():
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"{path}: not an ed25519 private key ({type(key).__name__})")
+        return key
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    return key
+
+
+def public_key_hex(key: Ed25519PrivateKey) -> str:
+    return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
+
+
+def signing_string(method: str, target: str, timestamp_ms: int | str, nonce: str, body: bytes) -> bytes:
+    """`METHOD\\nTARGET\\nTIMESTAMP\\nNONCE\\nsha256hex(body)`; TARGET is path[?query] as sent on the wire."""
+    return f"{method.upper()}\n{target}\n{timestamp_ms}\n{nonce}\n{hashlib.sha256(body).hexdigest()}".encode()
+
+
+def sign_request(key: Ed25519PrivateKey, method: str, target: str, body: bytes,
+                 timestamp_ms: int | None = None, nonce: str | None = None) -> dict[str, str]:
+    """The four signature headers for one request."""
+    timestamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    nonce = secrets.token_hex(16) if nonce is None else nonce
+    signature = key.sign(signing_string(method, target, timestamp_ms, nonce, body))
+    return {HEADER_KEY: public_key_hex(key), HEADER_TIMESTAMP: str(timestamp_ms), HEADER_NONCE: nonce,
+            HEADER_SIGNATURE: signature.hex()}
+
+
+_P25519 = 2**255 - 19
+_Y8 = 0x7A03AC9277FDC74EC6CC392CFA53202A0F67100D760B3CBA4FD84D3D706A17C7
+# y of the curve's 8 points of small order (x follows from y up to its sign). With one of them as the public key,
+# a fixed signature verifies for many messages: RFC 8032 verification (OpenSSL's) does not exclude them.
+_SMALL_ORDER_Y = frozenset({0, 1, _P25519 - 1, _Y8, _P25519 - _Y8})
+
+
+@functools.lru_cache(maxsize=16384)
+def weak_public_key(node_key: str) -> str | None:
+    """Why the hex ed25519 public key `node_key` is refused as an identity, or None: a non-canonical encoding
+    (y >= 2**255 - 19) or a point of small order (the identity `01 00...00` among them)."""
+    raw = bytes.fromhex(node_key)
+    if len(raw) != 32:
+        return "not 32 bytes"
+    y = int.from_bytes(raw, "little") & ((1 << 255) - 1)
+    if y >= _P25519:
+        return "a non-canonical encoding (y >= 2**255 - 19)"
+    if y in _SMALL_ORDER_Y:  # x = 0 with the sign bit set (non-canonical) only occurs with y = 1 or -1
+        return "a point of small order, for which signatures prove nothing"
+    return None
+
+
+@functools.lru_cache(maxsize=16384)
+def _public_key(node_key: str) -> Ed25519PublicKey:
+    if weak_public_key(node_key) is not None:
+        raise ValueError(f"weak ed25519 public key {node_key[:16]}...")
+    return Ed25519PublicKey.from_public_bytes(bytes.fromhex(node_key))
+
+
+def verify_signature(node_key: str, signature_hex: str, method: str, target: str, timestamp_ms: str,
+                     nonce: str, body: bytes) -> bool:
+    """True if `signature_hex` is `node_key`'s signature of the request; False for any malformed input and for a
+    weak key (`weak_public_key`)."""
+    try:
+        public = _public_key(node_key)
+        public.verify(bytes.fromhex(signature_hex), signing_string(method, target, timestamp_ms, nonce, body))
+    except (ValueError, InvalidSignature):
+        return False
+    return True
