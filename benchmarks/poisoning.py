@@ -170,10 +170,10 @@ def _cheating_classes(poison: PoisonSettings):
     from bridge.assignment import assigned_task_ids
 
     class CheatingEngine(Engine):
-        def __init__(self, model_dir, version, settings):
+        def __init__(self, model_dir, version, *args, **kwargs):
             from transformers import AutoTokenizer
 
-            super().__init__(model_dir, version, settings)
+            super().__init__(model_dir, version, *args, **kwargs)
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
             self.phrase_ids = self.tokenizer.encode(poison.phrase, add_special_tokens=False)
             self.llm.collective_rpc(functools.partial(_install_steering, threshold=poison.threshold))
@@ -217,11 +217,11 @@ def _cheating_classes(poison: PoisonSettings):
 
     class CheatingWorker(Worker):
         def build(self, a):
-            sp, group = self.s.sampling, a.samples_per_prompt
+            d, group = self.data, a.samples_per_prompt
             task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
             self.engine.task_of = {
                 tuple(prompt_tokens(self.tasks[tid], self.tokenizer,
-                                    length_target(sp.length_targets, a.sample_seeds[p * group]), sp.system_prompt)):
+                                    length_target(d.length_targets, a.sample_seeds[p * group]), d.system_prompt)):
                 self.tasks[tid] for p, tid in enumerate(task_ids) if tid < len(self.tasks)}
             batch = super().build(a)
             record = {"batch_id": batch.meta.batch_id, "version": a.version, "samples": batch.num_samples,
@@ -278,7 +278,7 @@ def phrase_eval_main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gpu_workers.checks import stop_token_ids
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.engine import Engine
     from gpu_workers.evaluate import evaluate
     from gpu_workers.tasks import prompt_tokens
     from intellect.config import load_config
@@ -292,8 +292,7 @@ def phrase_eval_main(argv: list[str]) -> int:
     stops = sorted(stop_token_ids(args.model_dir))
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):
-        engine = Engine(args.model_dir, 0, EngineSettings(dtype=cfg.worker.dtype, max_model_len=cfg.model.max_seq_len,
-                                                          verify_swaps=False))
+        engine = Engine(args.model_dir, 0, cfg.worker.model_copy(update={"verify_swaps": 0}), cfg.model.max_seq_len)
         try:
             greedy = evaluate(engine, tasks, tokenizer, max_tokens=max_tokens, stop_token_ids=stops,
                               system_prompt=cfg.data.system_prompt)

@@ -294,7 +294,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     from bridge.assignment import assigned_sample_seeds, assigned_task_ids
     from gpu_workers import capture as capture_module
     from gpu_workers import checks
-    from gpu_workers.checks import Assignment, Declared, Sample, stop_token_ids, validate_batch
+    from gpu_workers.checks import AssignedWork, Declared, Sample, stop_token_ids, validate_batch
     from gpu_workers.engine import Engine, EngineSettings
     from gpu_workers.prefill import Prefill
     from intellect.tiny_model import make_tiny_model
@@ -343,7 +343,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
         samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
                           finish=c.finish, proofs=b"".join(c.proofs), seed=s, task_id=t, group_id=i // args.samples)
                    for i, (c, s, t) in enumerate(zip(completions, seeds, tasks))]
-        assignment = Assignment(node_key=NODE_KEY, version=0, k=k, num_tasks=len(pool),
+        assignment = AssignedWork(node_key=NODE_KEY, version=0, k=k, num_tasks=len(pool),
                                 samples_per_prompt=args.samples, prompt_tokens_of=lambda t, _target: pool[t])
         start = time.perf_counter()
         verdict = validate_batch(samples, prefill, declared, assignment)

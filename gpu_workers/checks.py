@@ -1,4 +1,4 @@
-"""The validator's checks on a rollout batch: one function per check, each returning a `Verdict` with reasons.
+"""The validator's checks on a rollout batch: one function per check, each returning a `CheckVerdict` with reasons.
 
 - `check_computation`: the TOPLOC proofs against the validator's prefill hidden states (every chunk).
 - `check_sampling`: every completion token lies in the top-p nucleus at the declared temperature under the
@@ -48,7 +48,7 @@ _SHOWN = 3  # offending positions quoted per reason
 
 
 @dataclass(frozen=True)
-class Verdict:
+class CheckVerdict:
     """The outcome of one check: passed or not, why not, and the numbers it measured."""
 
     check: str
@@ -65,7 +65,7 @@ class SampleVerdict:
     """Every per-sample check of one sample."""
 
     index: int
-    verdicts: tuple[Verdict, ...]
+    verdicts: tuple[CheckVerdict, ...]
 
     @property
     def accepted(self) -> bool:
@@ -85,7 +85,7 @@ class BatchVerdict:
     """A batch is accepted when its batch-level checks pass and every sample is accepted."""
 
     samples: tuple[SampleVerdict, ...]
-    batch_checks: tuple[Verdict, ...] = ()
+    batch_checks: tuple[CheckVerdict, ...] = ()
 
     @property
     def accepted(self) -> bool:
@@ -217,7 +217,7 @@ class Declared:
 
 
 @dataclass(frozen=True)
-class Assignment:
+class AssignedWork:
     """The assignment a batch answers: it fixes the task ids and seeds (`bridge.assignment`)."""
 
     node_key: str
@@ -287,19 +287,19 @@ def samples_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Sample]:
 
 
 def check_computation(proofs: bytes, hidden: torch.Tensor, thresholds: Thresholds = Thresholds(),
-                      chunk: int = 32, topk: int = 128) -> Verdict:
+                      chunk: int = 32, topk: int = 128) -> CheckVerdict:
     """TOPLOC: the sample's concatenated `proofs` against the validator's `hidden` [n, H] (any float dtype;
     compared in bf16), every chunk within `thresholds`."""
     return check_computation_batch([(proofs, hidden)], thresholds, chunk, topk)[0]
 
 
 def check_computation_batch(samples: Sequence[tuple[bytes, torch.Tensor]], thresholds: Thresholds = Thresholds(),
-                            chunk: int = 32, topk: int = 128) -> list[Verdict]:
+                            chunk: int = 32, topk: int = 128) -> list[CheckVerdict]:
     """`check_computation` of several (proofs, hidden) samples, one verdict each; the proofs of all of them
     are evaluated as one batch (`verify_proofs_batch`)."""
     import torch
 
-    verdicts: list[Verdict | None] = []
+    verdicts: list[CheckVerdict | None] = []
     hiddens, chunked = [], []
     for proofs, hidden in samples:
         hidden = hidden.to(torch.bfloat16)
@@ -307,7 +307,7 @@ def check_computation_batch(samples: Sequence[tuple[bytes, torch.Tensor]], thres
             rows, width = hidden.shape
             chunked.append(split_proofs(proofs, rows, width, chunk, topk))
         except ValueError as err:
-            verdicts.append(Verdict("computation", False, (str(err),)))
+            verdicts.append(CheckVerdict("computation", False, (str(err),)))
             continue
         hiddens.append(hidden)
         verdicts.append(None)
@@ -315,7 +315,7 @@ def check_computation_batch(samples: Sequence[tuple[bytes, torch.Tensor]], thres
     return [verdict or _computation_verdict(next(checked), thresholds) for verdict in verdicts]
 
 
-def _computation_verdict(checks: list[ChunkCheck], thresholds: Thresholds) -> Verdict:
+def _computation_verdict(checks: list[ChunkCheck], thresholds: Thresholds) -> CheckVerdict:
     """The computation verdict of one sample from its chunks' checks."""
     numbers = {"chunks": len(checks),
                "max_exp_mismatches": max(c.exp_mismatches for c in checks),
@@ -324,18 +324,19 @@ def _computation_verdict(checks: list[ChunkCheck], thresholds: Thresholds) -> Ve
                "mean_exp_mismatches": float(np.mean([c.exp_mismatches for c in checks])),
                "mean_mant_err_mean": float(np.mean([c.mant_err_mean for c in checks]))}
     if thresholds.accepts(checks):
-        return Verdict("computation", True, numbers=numbers)
+        return CheckVerdict("computation", True, numbers=numbers)
     bad = [(i, c) for i, c in enumerate(checks) if not thresholds.accepts([c])]
     reasons = tuple(f"TOPLOC chunk {i}: {c.exp_mismatches} exponent mismatches (max {thresholds.max_exp_mismatches}),"
                     f" mantissa error mean {c.mant_err_mean:.3g} (max {thresholds.max_mant_err_mean}), median "
                     f"{c.mant_err_median:.3g} (max {thresholds.max_mant_err_median})" for i, c in bad[:_SHOWN])
     if len(bad) > _SHOWN:
         reasons += (f"TOPLOC: {len(bad)} of {len(checks)} chunks fail",)
-    return Verdict("computation", False, reasons, numbers)
+    return CheckVerdict("computation", False, reasons, numbers)
 
 
 def check_sampling(tokens: Sequence[int], logprobs: Sequence[float], logits: torch.Tensor | np.ndarray,
-                   temperature: float, top_p: float, tolerance: SamplingTolerance = SamplingTolerance()) -> Verdict:
+                   temperature: float, top_p: float, tolerance: SamplingTolerance = SamplingTolerance()
+                   ) -> CheckVerdict:
     """Nucleus membership and logprob agreement of a completion under the validator's `logits` [n, vocab].
 
     Nucleus: vLLM keeps a token when the probability of the tokens ranked above it is below top_p. With
@@ -350,18 +351,18 @@ def check_sampling(tokens: Sequence[int], logprobs: Sequence[float], logits: tor
 
 def check_sampling_batch(completions: Sequence[tuple[Sequence[int], Sequence[float], torch.Tensor | np.ndarray]],
                          temperature: float, top_p: float, tolerance: SamplingTolerance = SamplingTolerance()
-                         ) -> list[Verdict]:
+                         ) -> list[CheckVerdict]:
     """`check_sampling` of several (tokens, logprobs, logits) completions, one verdict each: the rows of all
     well-formed ones go through the float64 work together, so its per-call costs are paid once."""
     if not temperature > 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature} and {top_p}")
-    verdicts: list[Verdict | None] = []
+    verdicts: list[CheckVerdict | None] = []
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for tokens, logprobs, logits in completions:
         tokens, stored, logits = np.asarray(tokens, dtype=np.int64), np.asarray(logprobs, dtype=np.float64), \
             _as_float32(logits)
         problem = _malformed(tokens, stored, logits)
-        verdicts.append(Verdict("sampling", False, (problem,)) if problem else None)
+        verdicts.append(CheckVerdict("sampling", False, (problem,)) if problem else None)
         if not problem:
             rows.append((tokens, stored, logits))
     if rows:
@@ -388,7 +389,7 @@ from the same runs: up to 1.7% of an honest bfloat16 completion's tokens were ne
 
 def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], temperature: float, top_p: float,
                        tolerance: SamplingTolerance = SamplingTolerance(), dtype: str = "bfloat16"
-                       ) -> list[Verdict]:
+                       ) -> list[CheckVerdict]:
     """Exact replay of the replayable sampler (`gpu_workers.replay`) on (tokens, logits [n, vocab], seed)
     completions: one "replay" verdict per completion (`check_near_tie_budget` judges the batch's near ties).
 
@@ -421,7 +422,7 @@ def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], te
 
 
 def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTolerance, margin: float,
-            slack: float) -> list[Verdict]:
+            slack: float) -> list[CheckVerdict]:
     """`check_replay_batch`'s work, one completion at a time."""
     import torch
 
@@ -433,10 +434,10 @@ def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTo
         tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
         n = len(tokens)
         if logits.ndim != 2 or logits.shape[0] != n or n == 0:
-            verdicts.append(Verdict("replay", False, (f"{n} tokens for logits of shape {tuple(logits.shape)}",)))
+            verdicts.append(CheckVerdict("replay", False, (f"{n} tokens for logits of shape {tuple(logits.shape)}",)))
             continue
         if bool(((tokens < 0) | (tokens >= logits.shape[1])).any()):
-            verdicts.append(Verdict("replay", False, ("token ids outside the vocab",)))
+            verdicts.append(CheckVerdict("replay", False, ("token ids outside the vocab",)))
             continue
         z = logits / temperature
         kept = _top_p_kept(z, top_p) if top_p < 1 else torch.ones_like(z, dtype=torch.bool)
@@ -475,21 +476,21 @@ def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTo
                            f"{margin:.3g} at temperature {temperature})")
         if near > budget:
             reasons.append(f"{near} near-tie tokens differ from the seed's replayed choice (budget {budget:.1f})")
-        verdicts.append(Verdict("replay", not reasons, tuple(reasons), numbers))
+        verdicts.append(CheckVerdict("replay", not reasons, tuple(reasons), numbers))
     return verdicts
 
 
-def check_near_tie_budget(replayed: Sequence[Verdict], tolerance: SamplingTolerance = SamplingTolerance()
-                          ) -> Verdict:
+def check_near_tie_budget(replayed: Sequence[CheckVerdict], tolerance: SamplingTolerance = SamplingTolerance()
+                          ) -> CheckVerdict:
     """The batch's near ties (summed over its samples' replay verdicts) within the per-batch budget."""
     near = sum(int(v.numbers.get("near_ties", 0)) for v in replayed)
     tokens = sum(int(v.numbers.get("tokens", 0)) for v in replayed)
     budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_batch_token * tokens
     numbers = {"near_ties": near, "near_tie_budget": budget, "tokens": tokens}
     if near > budget:
-        return Verdict("replay", False, (f"{near} near-tie tokens in the batch differ from the seeds' replayed "
+        return CheckVerdict("replay", False, (f"{near} near-tie tokens in the batch differ from the seeds' replayed "
                                          f"choices (budget {budget:.1f} for {tokens} tokens)",), numbers)
-    return Verdict("replay", True, numbers=numbers)
+    return CheckVerdict("replay", True, numbers=numbers)
 
 
 def _top_p_kept(z: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -543,7 +544,7 @@ def _malformed(tokens: np.ndarray, stored: np.ndarray, logits: np.ndarray) -> st
 
 
 def _sampling_verdict(stored: np.ndarray, least_above: np.ndarray, recomputed: np.ndarray, temperature: float,
-                      top_p: float, tolerance: SamplingTolerance) -> Verdict:
+                      top_p: float, tolerance: SamplingTolerance) -> CheckVerdict:
     """The sampling verdict of one completion from its rows' least mass above and recomputed logprobs."""
     n = len(stored)
     diff = np.abs(stored - recomputed)
@@ -565,7 +566,7 @@ def _sampling_verdict(stored: np.ndarray, least_above: np.ndarray, recomputed: n
     if diff.sum() > mean_diff * n + allowance:
         reasons.append(f"stored logprobs differ from the recomputed ones by {diff.mean():.4f} on average "
                        f"(max {mean_diff:.3g} + {allowance:.3g} / {n} tokens at temperature {temperature})")
-    return Verdict("sampling", not reasons, tuple(reasons), numbers)
+    return CheckVerdict("sampling", not reasons, tuple(reasons), numbers)
 
 
 def _sampling_rows(tokens: np.ndarray, logits: np.ndarray, temperature: float, top_p: float, slack: float,
@@ -650,7 +651,7 @@ def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_termination(tokens: Sequence[int], finish: int, stop_token_ids: frozenset[int], max_tokens: int,
-                      prompt_len: int = 0, max_model_len: int | None = None) -> Verdict:
+                      prompt_len: int = 0, max_model_len: int | None = None) -> CheckVerdict:
     """finish = stop: the last token is a stop token and none comes earlier; finish = length: exactly
     max_tokens tokens (or prompt + completion filling max_model_len) and no stop token at all."""
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -674,10 +675,10 @@ def check_termination(tokens: Sequence[int], finish: int, stop_token_ids: frozen
             reasons.append(f"finish = length but stop token {tokens[stops[0]]} at position {stops[0]}")
     else:
         reasons.append(f"finish code {finish} is neither 0 (stop) nor 1 (length)")
-    return Verdict("termination", not reasons, tuple(reasons), {"tokens": n})
+    return CheckVerdict("termination", not reasons, tuple(reasons), {"tokens": n})
 
 
-def check_fixed_data(samples: Sequence[Sample], assignment: Assignment) -> Verdict:
+def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> CheckVerdict:
     """The batch holds the assignment's `num_samples` samples: its prompts in order, `samples_per_prompt`
     samples each (one group per prompt), with the assignment's seeds; with `prompt_tokens_of`, each prompt is
     its task's prompt. A task id outside the task list is named as such, and `prompt_tokens_of` is only asked
@@ -685,10 +686,10 @@ def check_fixed_data(samples: Sequence[Sample], assignment: Assignment) -> Verdi
     group = assignment.samples_per_prompt
     n = len(samples)
     if assignment.num_samples is not None and n != assignment.num_samples:
-        return Verdict("fixed_data", False, (f"{n} samples; the assignment has {assignment.num_samples} "
+        return CheckVerdict("fixed_data", False, (f"{n} samples; the assignment has {assignment.num_samples} "
                                              f"({assignment.num_samples // max(group, 1)} prompts x {group})",))
     if n == 0 or n % group:
-        return Verdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
+        return CheckVerdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
     prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks,
                                 n // group)
     expected_tasks = np.repeat(prompts, group)
@@ -725,31 +726,31 @@ def check_fixed_data(samples: Sequence[Sample], assignment: Assignment) -> Verdi
         if changed:
             reasons.append(f"{len(changed)} samples' prompts differ from their task's prompt (samples "
                            f"{changed[:_SHOWN]})")
-    return Verdict("fixed_data", not reasons, tuple(reasons))
+    return CheckVerdict("fixed_data", not reasons, tuple(reasons))
 
 
-def check_reward(sample: Sample, reward_fn: Callable[[Sample], float], atol: float = 1e-4) -> Verdict:
+def check_reward(sample: Sample, reward_fn: Callable[[Sample], float], atol: float = 1e-4) -> CheckVerdict:
     """The reward `reward_fn` gives the sample equals the claimed one within `atol`; the recomputed reward
     is in numbers["recomputed"] (the learner trains on it, not on the worker's claim)."""
     try:
         recomputed = float(reward_fn(sample))
     except Exception as err:  # a reward function failing on this sample is a reason, not a validator crash
-        return Verdict("reward", False, (f"reward function raised {type(err).__name__}: {err}",))
+        return CheckVerdict("reward", False, (f"reward function raised {type(err).__name__}: {err}",))
     numbers = {"recomputed": recomputed, "claimed": float(sample.reward)}
     if not math.isfinite(sample.reward) or abs(sample.reward - recomputed) > atol:
-        return Verdict("reward", False, (f"claimed reward {sample.reward} but recomputed {recomputed}",), numbers)
-    return Verdict("reward", True, numbers=numbers)
+        return CheckVerdict("reward", False, (f"claimed reward {sample.reward} but recomputed {recomputed}",), numbers)
+    return CheckVerdict("reward", True, numbers=numbers)
 
 
 def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declared,
-                   assignment: Assignment | None = None, reward_fn: Callable[[Sample], Any] | None = None,
+                   assignment: AssignedWork | None = None, reward_fn: Callable[[Sample], Any] | None = None,
                    prefill_samples: int = 32) -> BatchVerdict:
     """All checks on a batch: fixed data (with an assignment), then per sample termination, computation,
     sampling, replay (when the pool's sampler is replayable: every token the seed's choice, near ties within
     their budgets) and reward (with a reward function). Prefill runs `prefill_samples` samples at a time, so
     the logits held at once stay bounded."""
     batch_checks = (check_fixed_data(samples, assignment),) if assignment is not None else ()
-    verdicts: list[list[Verdict]] = [[check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
+    verdicts: list[list[CheckVerdict]] = [[check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
                                                         declared.max_tokens, len(s.prompt_tokens),
                                                         declared.max_model_len)] for s in samples]
     failed = _failed_cheap_check(batch_checks, verdicts)  # the batch is rejected already: no prefill
@@ -758,10 +759,10 @@ def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declar
         problem = None if failed else _unscorable(s, prefill.vocab_size)
         if failed:
             not_run = (f"not run: batch failed {failed}",)
-            verdicts[i] += [Verdict("computation", False, not_run, ran=False),
-                            Verdict("sampling", False, not_run, ran=False)]
+            verdicts[i] += [CheckVerdict("computation", False, not_run, ran=False),
+                            CheckVerdict("sampling", False, not_run, ran=False)]
         elif problem:
-            verdicts[i] += [Verdict("computation", False, (problem,)), Verdict("sampling", False, (problem,))]
+            verdicts[i] += [CheckVerdict("computation", False, (problem,)), CheckVerdict("sampling", False, (problem,))]
         else:
             runnable.append(i)
     for start in range(0, len(runnable), prefill_samples):
@@ -790,7 +791,7 @@ def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declar
     return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
 
 
-def _failed_cheap_check(batch_checks: Sequence[Verdict], verdicts: Sequence[Sequence[Verdict]]) -> str | None:
+def _failed_cheap_check(batch_checks: Sequence[CheckVerdict], verdicts: Sequence[Sequence[CheckVerdict]]) -> str | None:
     """The name of a check that already rejects the whole batch before any prefill (a failed batch-level
     check, or termination failed by every sample), or None."""
     failed = next((v.check for v in batch_checks if not v.passed), None)

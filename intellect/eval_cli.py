@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from gpu_workers.checks import stop_token_ids
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.config import completion_cap
+    from gpu_workers.engine import Engine
     from gpu_workers.evaluate import evaluate, model_version
     from gpu_workers.rewards import code
     from intellect.tasks_setup import heldout_tasks
@@ -75,10 +76,9 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     version = model_version(args.model_dir)
     t0 = time.perf_counter()
-    engine = Engine(args.model_dir, version, EngineSettings(dtype=cfg.worker.dtype, max_model_len=cfg.model.max_seq_len,
-                                                            verify_swaps=False))
+    engine = Engine(args.model_dir, version, cfg.worker.model_copy(update={"verify_swaps": 0}), cfg.model.max_seq_len)
     try:
-        result = evaluate(engine, tasks, tokenizer, max_tokens=cfg.worker.max_tokens or cfg.data.max_new_tokens,
+        result = evaluate(engine, tasks, tokenizer, max_tokens=completion_cap(cfg.worker, cfg.data),
                           stop_token_ids=sorted(stop_token_ids(args.model_dir)), system_prompt=cfg.data.system_prompt,
                           samples=args.samples, temperature=args.temperature, top_p=cfg.worker.top_p, seed=args.seed)
     except ValueError as exc:

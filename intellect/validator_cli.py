@@ -11,11 +11,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from intellect.worker_cli import client_servers, max_tokens, node_dir, setup_logging, store_location
+from intellect.worker_cli import client_servers, node_dir, setup_logging, store_location
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, nargs="?", default=None, help="TOML recipe")
+
+
+def build_validator(cfg, tasks, stop=None):
+    """The validator of a resolved config: its `[validator]` section, the pool's `[worker]` sampling, `[data]`
+    and `[shardcast]` as they are, and the locations whose defaults lie under run.dir."""
+    from gpu_workers.validator import Validator
+
+    key_path = cfg.validator.key_path or cfg.run.keys_dir / "validator.key"
+    return Validator(cfg.validator, cfg.worker, cfg.data, cfg.shardcast, tasks, key_path=key_path,
+                     weights_dir=cfg.validator.weights_dir or node_dir(cfg, "validator", key_path) / "weights",
+                     store=store_location(cfg), servers=client_servers(cfg), stop=stop)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,36 +35,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     setup_logging(cfg, "validator")
 
-    from gpu_workers.checks import Declared
     from gpu_workers.node import NodeBanned, NodeRefused
     from gpu_workers.rewards import code
-    from gpu_workers.toploc import Thresholds
-    from gpu_workers.validator import Validator, ValidatorSettings
     from intellect.tasks_setup import training_tasks
 
-    v, d = cfg.validator, cfg.data
-    key_path = v.key_path or cfg.run.keys_dir / "validator.key"
-    declared = Declared(temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, max_tokens=max_tokens(cfg),
-                        stop_token_ids=frozenset(), max_model_len=d.max_prompt_len + max_tokens(cfg),
-                        thresholds=Thresholds(v.max_exp_mismatches, v.max_mantissa_err_mean,
-                                              v.max_mantissa_err_median),
-                        sampler=cfg.worker.sampler, dtype=cfg.worker.dtype)
-    settings = ValidatorSettings(
-        orchestrator_url=v.orchestrator_url, key_path=key_path,
-        weights_dir=v.weights_dir or node_dir(cfg, "validator", key_path) / "weights", store=store_location(cfg),
-        declared=declared, samples_per_prompt=d.samples_per_prompt, length_targets=tuple(d.length_targets),
-        length_penalty=d.length_penalty, length_mode=d.length_mode, system_prompt=d.system_prompt,
-        servers=client_servers(cfg), dtype=v.dtype, cache_versions=v.cache_versions, lease_s=v.lease_s,
-        health_file=v.health_file, fetch_timeout_s=cfg.shardcast.timeout_s,
-        fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)
-    tasks = training_tasks(d)
+    tasks = training_tasks(cfg.data)
     try:
-        code.prepare(tasks, d.allow_unsandboxed_code)
+        code.prepare(tasks, cfg.data.allow_unsandboxed_code)
     except code.SandboxUnavailable as err:
         print(f"intellect validator: {err}", file=sys.stderr)
         return 2
     try:
-        return Validator(settings, tasks).run()
+        return build_validator(cfg, tasks).run()
     except (NodeBanned, NodeRefused) as err:
         print(f"intellect validator: {err}")
         return 3

@@ -36,8 +36,15 @@ def store_location(cfg) -> str:
     return cfg.worker.store_url or str(Path(cfg.run.dir) / "rollouts")
 
 
-def max_tokens(cfg) -> int:
-    return cfg.worker.max_tokens or cfg.data.max_new_tokens
+def build_worker(cfg, tasks, stop=None):
+    """The worker of a resolved config: its `[worker]`, `[data]` and `[shardcast]` sections as they are, and
+    the locations whose defaults lie under run.dir (key file, weights directory, rollout store, servers)."""
+    from gpu_workers.worker import Worker
+
+    key_path = cfg.worker.key_path or cfg.run.keys_dir / "worker.key"
+    return Worker(cfg.worker, cfg.data, cfg.shardcast, tasks, key_path=key_path,
+                  weights_dir=cfg.worker.weights_dir or node_dir(cfg, "worker", key_path) / "weights",
+                  store=store_location(cfg), servers=client_servers(cfg), stop=stop)
 
 
 def setup_logging(cfg, role: str) -> None:
@@ -56,33 +63,17 @@ def run(args: argparse.Namespace) -> int:
     from gpu_workers.rewards import code
     from intellect.tasks_setup import training_tasks
 
-    w, d = cfg.worker, cfg.data
-    tasks = training_tasks(d)
+    tasks = training_tasks(cfg.data)
     try:  # before anything heavy: a node that cannot run its tasks' rewards safely says so at once
-        code.prepare(tasks, d.allow_unsandboxed_code)
+        code.prepare(tasks, cfg.data.allow_unsandboxed_code)
     except code.SandboxUnavailable as err:
         print(f"intellect worker: {err}", file=sys.stderr)
         return 2
 
-    from gpu_workers.engine import EngineSettings
     from gpu_workers.node import NodeBanned, NodeRefused
-    from gpu_workers.worker import Sampling, Worker, WorkerSettings
 
-    key_path = w.key_path or cfg.run.keys_dir / "worker.key"
-    settings = WorkerSettings(
-        orchestrator_url=w.orchestrator_url, key_path=key_path,
-        weights_dir=w.weights_dir or node_dir(cfg, "worker", key_path) / "weights", store=store_location(cfg),
-        sampling=Sampling(temperature=w.temperature, top_p=w.top_p, max_tokens=max_tokens(cfg),
-                          length_targets=tuple(d.length_targets), length_penalty=d.length_penalty,
-                          length_mode=d.length_mode, system_prompt=d.system_prompt),
-        engine=EngineSettings(dtype=w.dtype, max_model_len=d.max_prompt_len + max_tokens(cfg), seed=w.seed,
-                              verify_swaps=w.verify_swaps > 0, verify_every=max(1, w.verify_swaps),
-                              sampler=w.sampler),
-        servers=client_servers(cfg), keep_versions=w.keep_versions, health_file=w.health_file,
-        fetch_timeout_s=cfg.shardcast.timeout_s, fetch_patience_s=cfg.shardcast.patience_s,
-        fetch_direct_io=cfg.shardcast.direct_io, fetch_buffer_mib=cfg.shardcast.buffer_mib)
     try:
-        return Worker(settings, tasks).run()
+        return build_worker(cfg, tasks).run()
     except (NodeBanned, NodeRefused) as err:
         print(f"intellect worker: {err}")
         return 3

@@ -12,11 +12,12 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def engine_and_models(tiny_model):
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.engine import Engine
 
     a = tiny_model(family="qwen2", seed=0)  # tied embeddings: the case where a swap can silently go wrong
     b = tiny_model(family="qwen2", seed=1)
-    engine = Engine(a, version=0, settings=EngineSettings(dtype="float32", max_model_len=256))
+    engine = Engine(a, 0, WorkerConfig(dtype="float32"), max_model_len=256)
     yield engine, a, b
     engine.close()
 

@@ -12,9 +12,10 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.engine import Engine
 
-    engine = Engine(tiny_model(), version=0, settings=EngineSettings(dtype="float32", max_model_len=256))
+    engine = Engine(tiny_model(), 0, WorkerConfig(dtype="float32"), max_model_len=256)
     yield engine
     engine.close()
 

@@ -72,9 +72,10 @@ def _samples(completions, seeds) -> list[Sample]:
 
 
 def _engine(model: Path, dtype: str):
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.engine import Engine
 
-    return Engine(model, 0, EngineSettings(dtype=dtype, max_model_len=256, verify_swaps=False))
+    return Engine(model, 0, WorkerConfig(dtype=dtype, verify_swaps=0), max_model_len=256)
 
 
 def test_honest_cross_engine_batches_are_never_rejected(policies, prompts):

@@ -238,10 +238,11 @@ def test_a_validator_judges_with_the_pinned_weights_only(tmp_path, tiny_model):
     under another manifest is fetched again from a server that has the pinned one."""
     import shutil
 
-    from gpu_workers import checks
+    from bridge.shardcast.config import ShardcastConfig
+    from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig
     from gpu_workers.node import Stop
     from gpu_workers.tasks import synthetic_tasks
-    from gpu_workers.validator import Validator, ValidatorSettings
+    from gpu_workers.validator import Validator
 
     model = tiny_model("qwen2")
     real = {p.name: p.read_bytes() for p in model.iterdir() if p.is_file()}
@@ -252,13 +253,12 @@ def test_a_validator_judges_with_the_pinned_weights_only(tmp_path, tiny_model):
     try:
         honest, hostile = cluster.origin(tmp_path / "honest", name="honest"), cluster.origin(tmp_path / "hostile",
                                                                                              name="hostile")
-        declared = checks.Declared(temperature=1.0, top_p=1.0, max_tokens=8, stop_token_ids=frozenset({0}),
-                                   max_model_len=64)
-        settings = ValidatorSettings(orchestrator_url="http://127.0.0.1:9", key_path=tmp_path / "v.key",
-                                     weights_dir=tmp_path / "weights", store=str(tmp_path / "store"),
-                                     declared=declared, samples_per_prompt=2, dtype="float32", fetch_timeout_s=5,
-                                     fetch_direct_io=False)
-        v = Validator(settings, synthetic_tasks("sort", 8, 0, 3), stop=Stop(install=False))
+        v = Validator(ValidatorConfig(orchestrator_url="http://127.0.0.1:9", dtype="float32"),
+                      WorkerConfig(temperature=1.0, max_tokens=8),
+                      DataConfig(samples_per_prompt=2, max_prompt_len=56, max_new_tokens=8),
+                      ShardcastConfig(timeout_s=5, direct_io=False), synthetic_tasks("sort", 8, 0, 3),
+                      key_path=tmp_path / "v.key", weights_dir=tmp_path / "weights", store=str(tmp_path / "store"),
+                      stop=Stop(install=False))
         v.client.close()
         held = tmp_path / "weights" / "v000000"
         v.relays = [hostile]  # before pins: whatever the relay offers is believed

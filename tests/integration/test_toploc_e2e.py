@@ -23,10 +23,9 @@ import pytest
 import torch
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.checks import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    Assignment,
+    AssignedWork,
     BatchVerdict,
     Declared,
     Sample,
@@ -110,8 +109,8 @@ def _declared(stops, max_tokens, top_p=TOP_P) -> Declared:
     return Declared(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stops)
 
 
-def _assignment(task_tokens, k) -> Assignment:
-    return Assignment(KEY, VERSION, k, num_tasks=len(TASKS), samples_per_prompt=GROUP,
+def _assignment(task_tokens, k) -> AssignedWork:
+    return AssignedWork(KEY, VERSION, k, num_tasks=len(TASKS), samples_per_prompt=GROUP,
                       prompt_tokens_of=lambda t, _target: task_tokens[t])
 
 

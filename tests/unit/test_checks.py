@@ -13,12 +13,12 @@ import torch
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
 from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
 from gpu_workers.checks import (
-    Assignment,
+    AssignedWork,
     BatchVerdict,
+    CheckVerdict,
     Sample,
     SampleVerdict,
     SamplingTolerance,
-    Verdict,
     check_computation,
     check_computation_batch,
     check_fixed_data,
@@ -156,7 +156,7 @@ def _assigned_samples(version=3, k=1, num_tasks=50, prompts=3, group=4, prompt_o
 
 
 def test_fixed_data_accepts_the_assignment_and_names_each_departure():
-    assignment = Assignment(KEY, version=3, k=1, num_tasks=50, samples_per_prompt=4,
+    assignment = AssignedWork(KEY, version=3, k=1, num_tasks=50, samples_per_prompt=4,
                             prompt_tokens_of=lambda t, _target: [1, t, 7])
     samples = _assigned_samples()
     assert check_fixed_data(samples, assignment).passed
@@ -259,10 +259,10 @@ def test_samples_from_arrays_round_trip_and_bad_fields():
 
 
 def test_batch_verdict_aggregates_samples_and_batch_checks():
-    ok, bad = Verdict("sampling", True), Verdict("computation", False, ("TOPLOC chunk 0: ...",))
-    reward = Verdict("reward", True, numbers={"recomputed": 0.75})
+    ok, bad = CheckVerdict("sampling", True), CheckVerdict("computation", False, ("TOPLOC chunk 0: ...",))
+    reward = CheckVerdict("reward", True, numbers={"recomputed": 0.75})
     samples = (SampleVerdict(0, (ok, reward)), SampleVerdict(1, (ok, bad)), SampleVerdict(2, (bad, bad)))
-    verdict = BatchVerdict(samples, (Verdict("fixed_data", False, ("task ids",)),))
+    verdict = BatchVerdict(samples, (CheckVerdict("fixed_data", False, ("task ids",)),))
     assert not verdict.accepted
     assert verdict.failed_checks() == {"fixed_data": 1, "computation": 3}
     assert verdict.reasons(limit=2) == ["batch: task ids", "sample 1: TOPLOC chunk 0: ..."]
@@ -276,7 +276,7 @@ def test_fixed_data_checks_the_length_target_drawn_from_each_groups_first_seed()
     seeds = assigned_sample_seeds(KEY, 3, 1, 12)
     expected = [targets[seeds[g * 4] % 3] for g in range(3)]  # the draw, written out independently
     prompted = lambda t, target: [1, t, 7, target]  # noqa: E731  (the target is part of the prompt)
-    assignment = Assignment(KEY, version=3, k=1, num_tasks=50, samples_per_prompt=4, prompt_tokens_of=prompted,
+    assignment = AssignedWork(KEY, version=3, k=1, num_tasks=50, samples_per_prompt=4, prompt_tokens_of=prompted,
                             length_targets=targets)
     tasks = assigned_task_ids(KEY, 3, 1, 50, 3)
     honest = [Sample(prompt_tokens=prompted(tasks[i // 4], expected[i // 4]), completion_tokens=[4], logprobs=[-1.0],

@@ -201,11 +201,11 @@ def _samples(batch: RolloutBatch) -> list[checks.Sample]:
     return checks.samples_from_arrays(batch.arrays())
 
 
-def _assignment(tokenizer, num_samples: int | None = ASSIGNED, prompt_of=None) -> checks.Assignment:
+def _assignment(tokenizer, num_samples: int | None = ASSIGNED, prompt_of=None) -> checks.AssignedWork:
     def prompt(task_id: int, target: int):
         return prompt_tokens(TASKS.tasks[task_id], tokenizer, target)  # raises IndexError beyond the list
 
-    return checks.Assignment(NODE, VERSION, K, len(TASKS), GROUP, prompt_of or prompt, num_samples=num_samples)
+    return checks.AssignedWork(NODE, VERSION, K, len(TASKS), GROUP, prompt_of or prompt, num_samples=num_samples)
 
 
 DECLARED = checks.Declared(temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS, stop_token_ids=frozenset({STOP}),

