@@ -29,7 +29,7 @@ The `sampler` part (issue 17's measure), on the same engine and model, `--repeat
 alternating):
 
 - worker: the assignment's batch generated with proofs by the engine's replayable sampler
-  (`EngineSettings(sampler="replayable")`: `gpu_workers.vllm_sampler.ReplayableSampler`, and the engine's check
+  (`[worker] sampler = "replayable"`: `gpu_workers.vllm_sampler.ReplayableSampler`, and the engine's check
   that every returned token is the sampler's choice) and by vLLM's own `Sampler` (`sampler="vllm"`), switched in
   place on the model runner between generations. Tokens/s per side; `replayable_over_vllm` is the median of the
   per-round tokens/s ratios (target >= 0.95) and the ratio of the best runs; as for proofs, the samplers' own
@@ -178,7 +178,7 @@ def _install_bench_samplers(worker) -> dict:
     runner = worker.model_runner
     if not hasattr(runner, "bench_samplers"):
         if not isinstance(runner.sampler, ReplayableSampler):
-            raise RuntimeError("the engine was expected to start with the replayable sampler (EngineSettings default)")
+            raise RuntimeError("the engine was expected to start with the replayable sampler ([worker] sampler default)")
         runner.bench_samplers = {"replayable": runner.sampler,
                                  "vllm": Sampler(logprobs_mode=runner.sampler.logprobs_mode)}
     return runner.bench_samplers
@@ -202,7 +202,7 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
         sampler.sample = work[name]  # an instance attribute shadows the method
     check = _Timed(engine._check_replayed)
     engine._check_replayed = check
-    settings = engine.settings
+    worker_config = engine.config
     timed = {"prefill": validate_declared.prefill_timer, "replay_check": _Timed(checks.check_replay_batch),
              "near_tie_budget": _Timed(checks.check_near_tie_budget)}
     originals = checks.check_replay_batch, checks.check_near_tie_budget
@@ -212,7 +212,7 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
 
     def use(name: str) -> None:
         engine.llm.collective_rpc(_use_sampler, args=(name,))
-        engine.settings = dataclasses.replace(settings, sampler=name)
+        engine.config = worker_config.model_copy(update={"sampler": name})
 
     rows, rejected = [], []
     try:
@@ -244,7 +244,7 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
             progress.advance(task)
     finally:
         use("replayable")
-        engine.settings = settings
+        engine.config = worker_config
         del engine._check_replayed
         for sampler in samplers.values():
             del sampler.sample
@@ -295,7 +295,8 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     from gpu_workers import capture as capture_module
     from gpu_workers import checks
     from gpu_workers.checks import AssignedWork, Declared, Sample, stop_token_ids, validate_batch
-    from gpu_workers.engine import Engine, EngineSettings
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.engine import Engine
     from gpu_workers.prefill import Prefill
     from intellect.tiny_model import make_tiny_model
 
@@ -312,8 +313,7 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
             for _ in range(args.pool)]
     max_model_len = 64 + args.max_tokens
     stops = stop_token_ids(model_dir)
-    engine = Engine(model_dir, version=0, settings=EngineSettings(dtype=dtype, max_model_len=max_model_len,
-                                                                  verify_swaps=False))
+    engine = Engine(model_dir, 0, WorkerConfig(dtype=dtype, verify_swaps=0), max_model_len)
     prefill = Prefill(model_dir, dtype=dtype)
     timed = {"prefill": _Timed(prefill.run), "computation_check": _Timed(checks.check_computation_batch),
              "sampling_check": _Timed(checks.check_sampling_batch), "replay_check": _Timed(checks.check_replay_batch)}

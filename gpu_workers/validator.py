@@ -45,11 +45,14 @@ from pathlib import Path
 from bridge.protocol import BatchRecord, OrchestratorError, Verdict
 from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
+from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers import checks
+from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
 from gpu_workers.tasks import TaskDataset, prompt_tokens
+from gpu_workers.toploc import Thresholds
 
 log = logging.getLogger("validator")
 
@@ -58,29 +61,6 @@ def _reason(text: str) -> str:
     """A verdict's reason as the protocol takes it (`bridge.protocol.Text`): no NUL, at most 1000 characters
     (a longer one made the Verdict itself raise: a batch with many failing samples stopped the validator)."""
     return text.replace("\x00", "\\x00")[:1000]
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidatorSettings:
-    orchestrator_url: str
-    key_path: Path
-    weights_dir: Path
-    store: str
-    declared: checks.Declared  # the pool's sampling parameters, stop tokens and TOPLOC thresholds
-    samples_per_prompt: int  # the pool's group size
-    length_targets: tuple[int, ...] = ()
-    length_penalty: float = 0.0
-    length_mode: str = "exact"
-    system_prompt: str | None = None
-    servers: tuple[str, ...] = ()
-    dtype: str = "bfloat16"
-    cache_versions: int = 2
-    lease_s: float | None = None
-    health_file: Path | None = None
-    idle_poll_s: float = 1.0
-    fetch_timeout_s: float = 30.0
-    fetch_direct_io: bool = True
-    fetch_buffer_mib: int = 32
 
 
 @dataclasses.dataclass
@@ -93,17 +73,29 @@ class _Loaded:
 class Validator:
     UNPOSTABLE_S = 60.0  # a batch the orchestrator took no verdict on is not judged again for this long
 
-    def __init__(self, settings: ValidatorSettings, tasks: TaskDataset, stop: Stop | None = None):
-        self.s = settings
+    def __init__(self, config: ValidatorConfig, worker: WorkerConfig, data: DataConfig, shardcast: ShardcastConfig,
+                 tasks: TaskDataset, *, key_path: Path, weights_dir: Path, store: str, servers: Sequence[str] = (),
+                 stop: Stop | None = None, idle_poll_s: float = 1.0):
+        """`config`: this validator's section; `worker`: the pool's sampling (temperature, top_p, max_tokens,
+        sampler, dtype) that batches are held to; `data`: the pool's group size, lengths, length rewards and
+        system prompt; `shardcast`: how weights are fetched. Resolved locations as for `Worker`."""
+        self.config, self.worker, self.data, self.shardcast = config, worker, data, shardcast
+        cap = completion_cap(worker, data)
+        self.declared = checks.Declared(  # the stop tokens are each version's own (`_judge`)
+            temperature=worker.temperature, top_p=worker.top_p, max_tokens=cap, stop_token_ids=frozenset(),
+            max_model_len=data.max_prompt_len + cap, sampler=worker.sampler, dtype=worker.dtype,
+            thresholds=Thresholds(config.max_exp_mismatches, config.max_mantissa_err_mean,
+                                  config.max_mantissa_err_median))
+        self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.tasks = tasks
         self.stop = stop or Stop()
-        self.node_key, self.client = connect(settings.key_path, settings.orchestrator_url)
-        self.store = RolloutStore.open(settings.store)
+        self.node_key, self.client = connect(key_path, config.orchestrator_url)
+        self.store = RolloutStore.open(store)
         self.loaded: collections.OrderedDict[int, _Loaded] = collections.OrderedDict()
         self.relays: list[str] = []
         self.pins: dict[int, str] = {}  # manifest sha256 by version, as the orchestrator announced them
         self._shardcast: ShardcastClient | None = None  # kept while the servers stay the same (its buffers)
-        self.interval = settings.idle_poll_s
+        self.interval = idle_poll_s
         self.stats = {"batches": 0, "accepted": 0, "rejected": 0, "samples": 0, "seconds": 0.0}
         self._prompt_cache: dict[tuple[int, int, int], list[int]] = {}
         self._unpostable: dict[str, float] = {}  # batch -> when the orchestrator refused every verdict on it
@@ -119,7 +111,7 @@ class Validator:
     def _version(self, version: int) -> _Loaded:
         pin = self.pins.get(version)
         if version in self.loaded:
-            path = self.s.weights_dir / f"v{version:06d}"
+            path = self.weights_dir / f"v{version:06d}"
             if pin is None or held_manifest_sha256(path) == pin:
                 self.loaded.move_to_end(version)
                 return self.loaded[version]
@@ -130,23 +122,23 @@ class Validator:
 
         from gpu_workers.prefill import Prefill
 
-        servers = self.relays or list(self.s.servers)
+        servers = self.relays or list(self.servers)
         if not servers:
             raise ShardcastError("no SHARDCAST server: the policy names no relays and shardcast.servers is empty")
         client = self._shardcast
         if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
-                servers, timeout=self.s.fetch_timeout_s, direct_io=self.s.fetch_direct_io,
-                buffer_bytes=self.s.fetch_buffer_mib << 20)
-        path = client.fetch(version, self.s.weights_dir, wait=self.s.fetch_timeout_s, manifest_sha256=pin).path
-        loaded = _Loaded(Prefill(path, self.s.dtype), AutoTokenizer.from_pretrained(path),
+                servers, timeout=self.shardcast.timeout_s, direct_io=self.shardcast.direct_io,
+                buffer_bytes=self.shardcast.buffer_mib << 20)
+        path = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s, manifest_sha256=pin).path
+        loaded = _Loaded(Prefill(path, self.config.dtype), AutoTokenizer.from_pretrained(path),
                          checks.stop_token_ids(path))
         self.loaded[version] = loaded
-        while len(self.loaded) > self.s.cache_versions:
+        while len(self.loaded) > self.config.cache_versions:
             old, _ = self.loaded.popitem(last=False)
-            shutil.rmtree(self.s.weights_dir / f"v{old:06d}", ignore_errors=True)
+            shutil.rmtree(self.weights_dir / f"v{old:06d}", ignore_errors=True)
             log.info("dropped version %d from the cache", old)
-        log.info("loaded version %d for prefill (%s)", version, self.s.dtype)
+        log.info("loaded version %d for prefill (%s)", version, self.config.dtype)
         return loaded
 
     # -- one batch ----------------------------------------------------------------------------------------
@@ -164,7 +156,7 @@ class Validator:
             if len(self._prompt_cache) > 100_000:
                 self._prompt_cache.clear()
             self._prompt_cache[key] = prompt_tokens(self._task(task_id), loaded.tokenizer, target,
-                                                    self.s.system_prompt)
+                                                    self.data.system_prompt)
         return self._prompt_cache[key]
 
     def judge(self, record: BatchRecord) -> Verdict:
@@ -190,7 +182,7 @@ class Validator:
                                           f"{type(err).__name__}: {err}"))
 
     def _judge(self, record: BatchRecord, loaded: _Loaded, where: str) -> Verdict:
-        declared = dataclasses.replace(self.s.declared, stop_token_ids=loaded.stop_token_ids)
+        declared = dataclasses.replace(self.declared, stop_token_ids=loaded.stop_token_ids)
         try:  # the claim's num_samples is the assignment's: the orchestrator refused any other at announcement
             limits = ReadLimits.for_assignment(record.num_samples, declared.max_tokens, declared.max_model_len)
             batch = self.store.read(record.version, record.batch_id, vocab_size=loaded.prefill.vocab_size,
@@ -204,15 +196,15 @@ class Validator:
                                   f"{batch.meta.version}, the announcement another")
         assignment = checks.AssignedWork(
             node_key=record.node_key, version=record.version, k=record.assignment_k, num_tasks=len(self.tasks),
-            samples_per_prompt=self.s.samples_per_prompt,
+            samples_per_prompt=self.data.samples_per_prompt,
             prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),
-            length_targets=self.s.length_targets, num_samples=record.num_samples)
+            length_targets=tuple(self.data.length_targets), num_samples=record.num_samples)
 
         def reward(sample: checks.Sample) -> float:
             task = self._task(sample.task_id)  # check_reward turns its ValueError into a reason
             text = loaded.tokenizer.decode(sample.completion_tokens.tolist(), skip_special_tokens=True)
             return sample_reward(task, text, len(sample.completion_tokens), sample.target_len,
-                                 self.s.length_penalty, self.s.length_mode).value
+                                 self.data.length_penalty, self.data.length_mode).value
 
         result = checks.validate_batch(samples, loaded.prefill, declared, assignment, reward)
         failed = result.failed_checks()
@@ -231,7 +223,7 @@ class Validator:
         reply = join(self.client, "validator", hardware_report())
         self.relays = list(reply.policy.relays)
         self._pin(reply.policy.manifests)
-        self.interval = min(self.s.idle_poll_s, reply.requirements.heartbeat_interval_s)
+        self.interval = min(self.idle_poll_s, reply.requirements.heartbeat_interval_s)
         return reply
 
     def run(self) -> int:
@@ -249,8 +241,9 @@ class Validator:
                     self.relays = list(beat.policy.relays)
                     self._pin(beat.policy.manifests)
                     last_beat = time.monotonic()
-                    touch(self.s.health_file)
-                claim = patiently(lambda: self.client.claim(self.s.lease_s), self.stop, "claiming", rejoin=self._join)
+                    touch(self.config.health_file)
+                claim = patiently(lambda: self.client.claim(self.config.lease_s), self.stop, "claiming",
+                                  rejoin=self._join)
                 if claim is None:
                     break
                 if claim.batch is None or self._refused_lately(claim.batch.batch_id):

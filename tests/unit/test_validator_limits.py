@@ -12,6 +12,7 @@ not run for these batches; where it does, its made-up outputs only fail computat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import types
@@ -285,12 +286,16 @@ class FakeClient:
 
 @pytest.fixture
 def validator(tmp_path, tiny_model, tokenizer):
-    from gpu_workers.validator import Validator, ValidatorSettings, _Loaded
+    from bridge.shardcast.config import ShardcastConfig
+    from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig
+    from gpu_workers.validator import Validator, _Loaded
 
-    settings = ValidatorSettings(orchestrator_url="http://127.0.0.1:9", key_path=tmp_path / "v.key",
-                                 weights_dir=tmp_path / "weights", store=str(tmp_path / "store"), declared=DECLARED,
-                                 samples_per_prompt=GROUP)
-    v = Validator(settings, TASKS, stop=Stop(install=False))
+    pool = WorkerConfig(orchestrator_url="http://127.0.0.1:9", temperature=1.0, top_p=1.0, max_tokens=MAX_TOKENS)
+    data = DataConfig(samples_per_prompt=GROUP, max_prompt_len=MAX_MODEL_LEN - MAX_TOKENS, max_new_tokens=MAX_TOKENS)
+    v = Validator(ValidatorConfig(orchestrator_url="http://127.0.0.1:9"), pool, data, ShardcastConfig(), TASKS,
+                  key_path=tmp_path / "v.key", weights_dir=tmp_path / "weights", store=str(tmp_path / "store"),
+                  stop=Stop(install=False))
+    assert v.declared == dataclasses.replace(DECLARED, stop_token_ids=frozenset())  # each version's own in _judge
     v.client.close()
     v.client = FakeClient()
     v.loaded[VERSION] = _Loaded(CountingPrefill(), tokenizer, checks.stop_token_ids(tiny_model("qwen2")))
