@@ -2,7 +2,7 @@
 
 At lr 3e-7 an AdamW step moves most bf16 weights by less than one unit in the last place, so consecutive exports
 share most of their bytes: their XOR is mostly zero bytes, which zstd squeezes to a small fraction of the file.
-The learner writes the delta files at export (`write_deltas`, called by `bridge.weights.export_params`) against
+The learner writes the delta files at export (`write_deltas`, called by `bridge.weights.write_version`) against
 the previous version and the newest anchor (a version divisible by `ANCHOR_EVERY`), and lists them in the
 manifest's `deltas` (`bridge.shardcast.manifest.DeltaEntry`) beside the full files. A client that holds a base
 rebuilds the file (`apply_delta`: streaming, a few MiB of memory) and checks it against the full file's sha256

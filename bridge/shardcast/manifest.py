@@ -1,6 +1,6 @@
 """The manifest of a version (docs/design.md section 4): parsed from untrusted bytes, checked against a directory.
 
-`parse_manifest` accepts only what `bridge.weights.export_params` writes: `{"version", "files": [{"name",
+`parse_manifest` accepts only what `bridge.weights.write_version` writes: `{"version", "files": [{"name",
 "size", "sha256"}...], "total_size", "created"}` with plain, distinct file names, sizes that add up to
 `total_size`, lower-case hex sha256 digests, and limits on the count of files and on the total size; and the
 optional `deltas` (`bridge.shardcast.delta`): `[{"name", "file", "base", "base_sha256", "encoding", "size",
@@ -161,7 +161,7 @@ def _parse_deltas(items: object, where: str, version: int, files: dict[str, File
 
 def read_version_dir(path: Path, version: int, *, with_deltas: bool = False) -> Manifest:
     """The manifest of a complete version directory (STABLE present), checking that every file is there with
-    its size (hashes are the writer's word: `export_params` and a SHARDCAST landing both verify before STABLE);
+    its size (hashes are the writer's word: `write_version` and a SHARDCAST landing both verify before STABLE);
     `with_deltas`: the delta files too (a server's directory holds them; a worker's need not)."""
     if not (path / STABLE_FILE).is_file():
         raise ManifestError(f"{path}: no {STABLE_FILE} file (an incomplete version)")
