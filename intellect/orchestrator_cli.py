@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
     """The values of `cfg`'s other sections the service needs; storage: `database_url`, else
     orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db (run.dir is created)."""
+    from gpu_workers.config import completion_cap
     from orchestrator.db import sqlite_url
     from orchestrator.service import RunValues
 
@@ -36,7 +37,7 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
     sc = cfg.shardcast
     return RunValues(name=cfg.run.name, database_url=url, async_level=cfg.trainer.async_level,
                      prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.data.samples_per_prompt,
-                     max_tokens=cfg.worker.max_tokens or cfg.data.max_new_tokens,
+                     max_tokens=completion_cap(cfg.worker, cfg.data),
                      relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]))
 
 
