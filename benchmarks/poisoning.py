@@ -281,7 +281,7 @@ def phrase_eval_main(argv: list[str]) -> int:
     from gpu_workers.engine import Engine
     from gpu_workers.evaluate import evaluate
     from gpu_workers.tasks import prompt_tokens
-    from intellect.config import load_config
+    from intellect.config_io import load_config
     from intellect.tasks_setup import heldout_tasks
 
     cfg = load_config(args.config, overrides)
@@ -470,7 +470,7 @@ def learner_step_at(run_dir: Path, when: float) -> int:
 
 def run_one(label: str, args, base: Path, base_eval: dict | None = None) -> dict:
     from bridge.protocol import load_or_create_key, public_key_hex
-    from intellect.config import load_config
+    from intellect.config_io import load_config
 
     sampler, with_cheater = RUNS[label]
     run_dir = args.workdir / f"run-{label}"

@@ -94,13 +94,13 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """The config a command was given: `args.config` (a TOML path or None) with `args.overrides` on top."""
-    from intellect.config import load_config
+    from intellect.config_io import load_config
 
     return load_config(args.config, args.overrides)
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from intellect.config import config_to_toml
+    from intellect.config_io import config_to_toml
 
     print(config_to_toml(config_from_args(args)), end="")
     return 0

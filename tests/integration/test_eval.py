@@ -57,7 +57,7 @@ def _eval(*argv) -> dict:
 def _transformers_greedy_accuracy(model_dir, config_path) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from intellect.config import load_config
+    from intellect.config_io import load_config
     from intellect.tasks_setup import heldout_tasks
 
     tasks = heldout_tasks(load_config(config_path).data)

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
 
 from bridge.protocol import BatchAnnouncement, HardwareReport, OrchestratorClient, RetryPolicy, Verdict
-from intellect.config import load_config
+from intellect.config_io import load_config
 from intellect.orchestrator_cli import build_app
 from helpers import free_port
 

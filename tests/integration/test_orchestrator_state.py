@@ -13,7 +13,7 @@ from sqlalchemy import text
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
 from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError,
                              RetryPolicy, Verdict, solve_challenge)
-from intellect.config import load_config
+from intellect.config_io import load_config
 from intellect.orchestrator_cli import build_app
 from orchestrator.db import SCHEMA_VERSION, SchemaError, open_database, sqlite_url
 

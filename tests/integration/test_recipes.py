@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore
-from intellect.config import load_config
+from intellect.config_io import load_config
 
 RECIPES = sorted(Path("configs").glob("*.toml"))
 FAMILIES = (("qwen3", "qwen3"), ("qwq", "qwen2"), ("qwen2", "qwen2"), ("llama", "llama"))

@@ -168,7 +168,7 @@ HW = HardwareReport(cpu_count=2, memory_gib=4)
 
 
 def orchestrator(tmp_path):
-    from intellect.config import load_config
+    from intellect.config_io import load_config
     from intellect.orchestrator_cli import build_app
 
     overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",

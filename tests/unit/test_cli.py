@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from intellect import cli
-from intellect.config import load_config
+from intellect.config_io import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.toml"

@@ -7,7 +7,8 @@ import typing
 from pathlib import Path
 
 import pytest
-from intellect.config import SECTIONS, Config, ConfigError, config_to_toml, load_config
+from intellect.config import SECTIONS, Config, ConfigError
+from intellect.config_io import config_to_toml, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.toml"
@@ -273,7 +274,8 @@ def test_demo_recipe_resolves():
 
 
 def test_config_show_of_the_defaults_loads_back_as_the_defaults(tmp_path):
-    from intellect.config import Config, config_to_toml, load_config
+    from intellect.config import Config
+    from intellect.config_io import config_to_toml, load_config
 
     text = config_to_toml(Config())
     path = tmp_path / "shown.toml"

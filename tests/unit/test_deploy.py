@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from intellect import cli
-from intellect.config import load_config
+from intellect.config_io import load_config
 from orchestrator.config import OrchestratorConfig
 from helpers import free_port
 
@@ -310,7 +310,7 @@ def test_host_launch_starts_a_real_jax_process_group():
     """Two hosts, each with its own metadata server, form one jax.distributed group of 2 x 2 CPU devices through
     the config path `intellect train` takes (load_config -> init_distributed)."""
     port = free_port()
-    program = ("import jax; from intellect.config import load_config; "
+    program = ("import jax; from intellect.config_io import load_config; "
                "from intellect.learner_setup import init_distributed; init_distributed(load_config()); "
                "print(jax.process_index(), jax.process_count(), jax.device_count(), flush=True); "
                "jax.distributed.shutdown()")

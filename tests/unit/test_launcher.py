@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from intellect.config import load_config
+from intellect.config_io import load_config
 from intellect.launcher import Launcher, Role, RoleFailed
 
 

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from bridge.protocol import (HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy, sign_request,
                              verify_signature, weak_public_key)
-from intellect.config import load_config
+from intellect.config_io import load_config
 from orchestrator.config import OrchestratorConfig
 from orchestrator.guards import (BodyError, BoundedFormatter, address_group, decode_json, is_json_content_type,
                                  validation_errors)
