@@ -4,14 +4,13 @@ SHARDCAST origin, all processes on 127.0.0.1, on a tiny model:
 - version 0 batches from two workers are accepted, with the validator's rewards, which are recomputed here
   independently from the stored tokens;
 - a new version is exported and announced: the workers fetch it and their next batches carry it;
-- a worker running tampered weights (test-only flag) has every batch rejected for computation and is banned;
+- a worker running tampered weights (cheating_worker.py) has every batch rejected for computation and is banned;
 - the orchestrator is killed and restarted mid-run: the workers carry on;
 - SIGTERM: a worker leaves cleanly and deregisters.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from bridge.rollouts import RolloutStore
 from helpers import OrchestratorProcess, free_port
 
 TOKEN = "itest-admin"
+CHEATER = Path(__file__).with_name("cheating_worker.py")  # a worker running tampered weights
 CONFIG = """
 [run]
 dir = "{run}"
@@ -115,17 +115,17 @@ class Pool:
         self.orchestrator = OrchestratorProcess(tmp / "logs" / "orchestrator.log", self.config, port=self.orch_port)
         self.admin = OrchestratorClient(self.url, admin_token=TOKEN)
 
-    def start(self, name: str, *argv: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, *argv: str, program: tuple[str, ...] = ("-m", "intellect")) -> subprocess.Popen:
         log = open(self.tmp / "logs" / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "intellect", *argv], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen([sys.executable, *program, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
         self.procs[name] = proc
         return proc
 
-    def node(self, role: str, name: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    def node(self, role: str, name: str) -> tuple[subprocess.Popen, str]:
         key = self.tmp / "keys" / f"{name}.key"
         public = public_key_hex(load_or_create_key(key))
-        return self.start(name, role, str(self.config), f"--{role}.key_path", str(key), env=env), public
+        return self.start(name, role, str(self.config), f"--{role}.key_path", str(key)), public
 
     def log(self, name: str) -> str:
         return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")
@@ -194,8 +194,8 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
     wait_until(lambda: accepted_from({key1, key2}, 1), 240, "accepted version-1 batches of both workers", procs)
 
     # a worker with tampered weights: rejected for computation, banned after 2 rejections
-    cheat = pool.start("cheater", "worker", str(pool.config), "--worker.key_path", str(pool.tmp / "keys" / "c.key"),
-                       env={"TEST_ONLY_TAMPER_WEIGHTS": "0.3"})
+    cheat = pool.start("cheater", "0.3", str(pool.config), "--worker.key_path", str(pool.tmp / "keys" / "c.key"),
+                       program=(str(CHEATER),))
     cheat_key = public_key_hex(load_or_create_key(pool.tmp / "keys" / "c.key"))
     def banned():
         accepted_from(set(), 1)  # read accepted batches, as the learner does: it frees room for new assignments
