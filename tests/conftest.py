@@ -1,10 +1,14 @@
 """Shared test fixtures, and the environment every test process needs (set before jax or vllm is imported):
 8 fake CPU devices so that sharding is exercised for real, and an in-process vLLM engine with a small KV cache.
-Values already in the environment (e.g. from the Makefile) win."""
+Values already in the environment (e.g. from the Makefile) win. tests/ is put on `sys.path`, whatever pytest's
+import mode, so that every test imports the shared helpers as `from helpers import ...` (tests/helpers.py)."""
 
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
