@@ -116,8 +116,8 @@ def _violations(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> list[s
     (("gpu_workers",), JAX),
     (("orchestrator",), tuple(p for p in PACKAGES if p != "bridge")),
     (LIBRARIES, ("intellect",)),
-], ids=["bridge-imports-no-role", "bridge-no-framework", "jax_trainer-no-torch", "gpu_workers-no-jax", "orchestrator-only-bridge",
-        "libraries-no-intellect"])
+], ids=["bridge-imports-no-role", "bridge-no-framework", "jax_trainer-no-torch", "gpu_workers-no-jax",
+        "orchestrator-only-bridge", "libraries-no-intellect"])
 def test_layering(packages, forbidden):
     found = _violations(packages, forbidden)
     assert not found, "\n".join(found)
