@@ -2,9 +2,10 @@
 learner holds them), `[trainer]` (mesh, batches, steps, checkpoints, exports), `[loss]` (the GRPO objective)
 and `[optim]` (AdamW and its schedule).
 
-`GRPOTrainer`, `Learner`, `RolloutPipeline`, `make_optimizer` and the loss functions take these classes
-themselves; `intellect.config.Config` composes them with the other roles' sections. This module imports no
-JAX, so that reading a config stays cheap.
+`GRPOTrainer` (loss, optim, trainer), `SFTTrainer`, `Learner` (trainer), `make_optimizer` and the loss
+functions take these classes themselves; `[model]` is read where the model is built (`intellect.learner_setup`).
+`intellect.config.Config` composes them with the other roles' sections. This module imports no JAX, so that
+reading a config stays cheap.
 """
 
 from __future__ import annotations
