@@ -26,7 +26,7 @@ from bridge.shardcast.relay import serve_relay
 
 pytest.importorskip("zstandard")
 
-# the versions: as in tests/unit/test_shardcast_delta.py
+# the versions: as in tests/unit/test_shardcast_delta.py (a test module cannot import another here)
 N = 300_000  # bf16 values per tensor
 
 
