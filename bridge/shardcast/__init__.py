@@ -4,6 +4,8 @@
   both answer the same HTTP protocol (`server`), so relays chain.
 - `ShardcastClient` (`client`) finds, fetches and verifies versions; relays use it for their upstreams.
 - `names` and `manifest` validate everything that comes from the network before it becomes a path or a size.
+- `delta` writes and applies delta files (a version's file against an older version's), which the manifest
+  lists beside the full files; `download` rebuilds files from them where it holds the base.
 """
 
 from bridge.shardcast.client import ShardcastClient
