@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bridge.shardcast.errors import ShardcastError
@@ -112,9 +112,11 @@ def encode_delta(base: Path, target: Path, out: Path, level: int = LEVEL, thread
         return sink.size, sink.digest.hexdigest()
 
 
-def apply_delta(base: Path, delta: Path, out_fd: int, size: int) -> str:
+def apply_delta(base: Path, delta: Path, out_fd: int, size: int,
+                on_written: Callable[[int, int], None] | None = None) -> str:
     """Write base XOR unzstd(delta) (`size` bytes) to `out_fd` from offset 0, streaming; returns its sha256.
-    DeltaError when the delta is broken, or it or the base is not `size` bytes long."""
+    `on_written(offset, length)` after each block is written (to start its writeback). DeltaError when the
+    delta is broken, or it or the base is not `size` bytes long."""
     if zstandard is None:
         raise DeltaError("the zstandard module is not installed")
     digest = hashlib.sha256()
@@ -141,6 +143,8 @@ def apply_delta(base: Path, delta: Path, out_fd: int, size: int) -> str:
                 while view:
                     n = os.pwrite(out_fd, view, at)
                     view, at = view[n:], at + n
+                if on_written is not None:
+                    on_written(pos, want)
                 pos += want
             if reader.read(1):
                 raise DeltaError(f"{delta}: longer than {size} bytes")

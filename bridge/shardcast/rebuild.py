@@ -71,7 +71,8 @@ class Rebuild:
         out = self.partial / entry.name
         fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            digest = deltas.apply_delta(base_file, delta_path, fd, entry.size)
+            writeback = (lambda pos, n: disk.start_writeback(fd, pos, n)) if self.fsync else None
+            digest = deltas.apply_delta(base_file, delta_path, fd, entry.size, writeback)
             if digest == entry.sha256 and self.fsync:
                 os.fsync(fd)
         except (deltas.DeltaError, OSError) as e:
