@@ -247,6 +247,7 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
         return {"stable_to_last_client_s": round(max(ends) - t0, 2),
                 "per_client_received_bytes": [r["received_bytes"] for r in results],
                 "per_client_rebuilt_files": [r.get("rebuilt_files", 0) for r in results],
+                "per_client_fetch_s": [r["seconds"] for r in results],  # its own download, after the wait
                 "version_bytes": sum(e["size"] for e in expected)}
     finally:
         for p in procs:
