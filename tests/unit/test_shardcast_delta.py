@@ -204,3 +204,34 @@ def test_hostile_delta_entries_are_refused(bad, message):
         parse_manifest(manifest_with([GOOD, GOOD]), "t")
     with pytest.raises(ManifestError, match="'deltas' must be a list"):
         parse_manifest(manifest_with({"a": 1}), "t")
+
+
+def test_the_learners_export_writes_deltas_against_the_versions_beside_it(tmp_path):
+    """`bridge.weights.write_version` (the learner's export) into `weights/v00000N/`: deltas against the
+    previous version and the anchor, each rebuilding the exported file bit for bit; another directory name:
+    none."""
+    import ml_dtypes
+
+    from bridge.weights import TensorSpec, write_version
+
+    specs = [TensorSpec.same(("w",), "model.w", (512, 256)), TensorSpec.same(("b",), "model.b", (256,))]
+    rng = np.random.default_rng(0)
+    master = {s.hf_name: rng.normal(0, 0.02, s.hf_shape).astype(np.float32) for s in specs}
+    root = tmp_path / "weights"
+    for version in range(3):
+        if version:
+            for name, w in master.items():  # an lr-3e-7-sized step: a few bf16 values move by one ulp
+                w -= 3e-7 * np.sign(rng.standard_normal(w.shape)).astype(np.float32)
+        write_version(specs, lambda s: master[s.hf_name].astype(ml_dtypes.bfloat16), root / f"v{version:06d}",
+                      version=version, fsync=False, hf_config={"model_type": "qwen2"})
+    manifest = parse_manifest((root / "v000002" / "manifest.json").read_bytes(), "t", version=2)
+    assert sorted((d.file, d.base) for d in manifest.deltas) == [
+        ("model-00001-of-00001.safetensors", 0), ("model-00001-of-00001.safetensors", 1)]
+    target = (root / "v000002" / "model-00001-of-00001.safetensors").read_bytes()
+    for d in manifest.deltas:
+        assert d.size * 10 < len(target)
+        base = root / f"v{d.base:06d}" / d.file
+        assert rebuild(base, root / "v000002" / d.name, len(target), tmp_path) == target
+    elsewhere = write_version(specs, lambda s: master[s.hf_name].astype(ml_dtypes.bfloat16), tmp_path / "export",
+                              version=3, fsync=False, hf_config={"model_type": "qwen2"})
+    assert "deltas" not in json.loads((elsewhere.path / "manifest.json").read_text())
