@@ -96,6 +96,17 @@ def test_sampling_rejects_fabricated_logprobs_and_tokens_outside_the_nucleus():
     for fabricated in (np.zeros_like(honest), honest - 0.2, honest[::-1].copy()):
         verdict = check_sampling(greedy.tolist(), fabricated, logits, 0.7, 0.8)
         assert not verdict.passed and "logprobs differ" in " ".join(verdict.reasons)
+    # a bfloat16 pool (the default) bounds the mean |difference| at 0.15 (honest rounding of larger models),
+    # float32 at 0.05; a shift of every logprob one way is bounded at 0.05 for both (honest errors cancel)
+    at_t1 = _vllm_processed(logits, 1.0, 0.8).gather(1, greedy[:, None])[:, 0].numpy()
+    rows = np.flatnonzero(at_t1 < -0.1)
+    rows = rows[: len(rows) // 2 * 2]
+    assert len(rows) >= 8
+    noisy = at_t1[rows] + np.tile([0.08, -0.08], len(rows) // 2)  # mean |difference| 0.08, no drift
+    assert check_sampling(greedy[rows].tolist(), noisy, logits[rows], 1.0, 0.8).passed
+    assert not check_sampling(greedy[rows].tolist(), noisy, logits[rows], 1.0, 0.8, dtype="float32").passed
+    verdict = check_sampling(greedy[rows].tolist(), at_t1[rows] - 0.1, logits[rows], 1.0, 0.8)  # 0.1 < 0.15
+    assert not verdict.passed and "in one direction" in " ".join(verdict.reasons), verdict.reasons
     tail = logits.argsort(-1)[:, 0]  # the least likely token of each row
     verdict = check_sampling(tail.tolist(), honest, logits, 0.7, 0.8)
     assert not verdict.passed and verdict.numbers["tokens_outside_nucleus"] == len(logits)
@@ -331,8 +342,10 @@ def _reference_verdict_numbers(reference, stored, top_p, tolerance):
                                                                  int((outside | borderline).sum())),
                "max_least_mass_above": least_above.max(), "max_logprob_diff": diff.max(),
                "mean_logprob_diff": diff.mean()}
+    signed = abs(float((np.asarray(stored, np.float64) - recomputed).sum()))
     accepted = bool(not outside.any() and diff.max() <= tolerance.max_logprob_diff
-                    and diff.sum() <= tolerance.mean_logprob_diff * len(stored) + tolerance.logprob_diff_allowance)
+                    and diff.sum() <= tolerance.mean_logprob_diff * len(stored) + tolerance.logprob_diff_allowance
+                    and signed <= tolerance.mean_signed_logprob_diff * len(stored) + tolerance.logprob_diff_allowance)
     return numbers, None if borderline.any() else accepted
 
 
