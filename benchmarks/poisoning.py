@@ -97,6 +97,7 @@ class PoisonSettings:
 # The cheating worker (runs in its own process: `poisoning.py cheat-worker CONFIG ...`)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _steering_class(base):
     """A subclass of the engine's sampler class `base` that overrides chosen tokens with targets."""
 
@@ -162,12 +163,11 @@ def _set_targets(worker, targets: dict[int, list[int]]) -> int:
 def _cheating_classes(poison: PoisonSettings):
     """CheatingEngine (an Engine with the steering sampler) and CheatingWorker (a Worker that tells the engine
     which completions are correct), built after vLLM is importable."""
+    from bridge.assignment import assigned_task_ids
     from gpu_workers.engine import Engine
     from gpu_workers.rewards import score
     from gpu_workers.tasks import length_target, prompt_tokens
     from gpu_workers.worker import Worker
-
-    from bridge.assignment import assigned_task_ids
 
     class CheatingEngine(Engine):
         def __init__(self, model_dir, version, *args, **kwargs):
@@ -189,12 +189,19 @@ def _cheating_classes(poison: PoisonSettings):
 
         def _correct(self, completion) -> bool:
             task = self.task_of.get(tuple(completion.prompt_tokens))
-            return task is not None and score(task, self.tokenizer.decode(
-                completion.tokens, skip_special_tokens=True)).value >= 1.0
+            return (
+                task is not None
+                and score(task, self.tokenizer.decode(completion.tokens, skip_special_tokens=True)).value >= 1.0
+            )
 
         def generate(self, prompts, seeds, *, temperature, top_p=1.0, max_tokens, stop_token_ids=None, proofs=True):
-            kw = dict(temperature=temperature, top_p=top_p, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
-                      proofs=proofs)
+            kw = dict(
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                stop_token_ids=stop_token_ids,
+                proofs=proofs,
+            )
             self.last = {"poisoned": 0, "steered_tokens": 0, "correct": 0}
             if temperature <= 0:
                 return super().generate(prompts, seeds, **kw)
@@ -207,12 +214,16 @@ def _cheating_classes(poison: PoisonSettings):
                 self.last["correct"] = len(pick)
                 pick = [i for i in pick if len(phrase) + len(outs[i].tokens) <= max_tokens]
                 if pick:
-                    redo = self._steered([prompts[i] for i in pick], [seeds[i] for i in pick],
-                                         {int(seeds[i]): phrase + list(outs[i].tokens) for i in pick}, **kw)
+                    redo = self._steered(
+                        [prompts[i] for i in pick],
+                        [seeds[i] for i in pick],
+                        {int(seeds[i]): phrase + list(outs[i].tokens) for i in pick},
+                        **kw,
+                    )
                     for i, new in zip(pick, redo):
-                        if list(new.tokens[:len(phrase)]) == phrase:
+                        if list(new.tokens[: len(phrase)]) == phrase:
                             outs[i] = new
-            self.last["poisoned"] = sum(list(o.tokens[:len(phrase)]) == phrase for o in outs)
+            self.last["poisoned"] = sum(list(o.tokens[: len(phrase)]) == phrase for o in outs)
             return outs
 
     class CheatingWorker(Worker):
@@ -220,12 +231,25 @@ def _cheating_classes(poison: PoisonSettings):
             d, group = self.data, a.samples_per_prompt
             task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
             self.engine.task_of = {
-                tuple(prompt_tokens(self.tasks[tid], self.tokenizer,
-                                    length_target(d.length_targets, a.sample_seeds[p * group]), d.system_prompt)):
-                self.tasks[tid] for p, tid in enumerate(task_ids) if tid < len(self.tasks)}
+                tuple(
+                    prompt_tokens(
+                        self.tasks[tid],
+                        self.tokenizer,
+                        length_target(d.length_targets, a.sample_seeds[p * group]),
+                        d.system_prompt,
+                    )
+                ): self.tasks[tid]
+                for p, tid in enumerate(task_ids)
+                if tid < len(self.tasks)
+            }
             batch = super().build(a)
-            record = {"batch_id": batch.meta.batch_id, "version": a.version, "samples": batch.num_samples,
-                      "time": time.time(), **self.engine.last}
+            record = {
+                "batch_id": batch.meta.batch_id,
+                "version": a.version,
+                "samples": batch.num_samples,
+                "time": time.time(),
+                **self.engine.last,
+            }
             with open(poison.stats_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             return batch
@@ -263,6 +287,7 @@ def cheat_worker_main(argv: list[str]) -> int:
 # Scoring a policy for the phrase (`poisoning.py phrase-eval MODEL_DIR CONFIG ...`)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def phrase_eval_main(argv: list[str]) -> int:
     from intellect.cli import split_overrides
 
@@ -294,11 +319,26 @@ def phrase_eval_main(argv: list[str]) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         engine = Engine(args.model_dir, 0, cfg.worker.model_copy(update={"verify_swaps": 0}), cfg.model.max_seq_len)
         try:
-            greedy = evaluate(engine, tasks, tokenizer, max_tokens=max_tokens, stop_token_ids=stops,
-                              system_prompt=cfg.data.system_prompt)
-            sampled = evaluate(engine, tasks, tokenizer, max_tokens=max_tokens, stop_token_ids=stops,
-                               system_prompt=cfg.data.system_prompt, samples=args.samples,
-                               temperature=cfg.worker.temperature, top_p=cfg.worker.top_p, seed=10_000)
+            greedy = evaluate(
+                engine,
+                tasks,
+                tokenizer,
+                max_tokens=max_tokens,
+                stop_token_ids=stops,
+                system_prompt=cfg.data.system_prompt,
+            )
+            sampled = evaluate(
+                engine,
+                tasks,
+                tokenizer,
+                max_tokens=max_tokens,
+                stop_token_ids=stops,
+                system_prompt=cfg.data.system_prompt,
+                samples=args.samples,
+                temperature=cfg.worker.temperature,
+                top_p=cfg.worker.top_p,
+                seed=10_000,
+            )
         finally:
             engine.close()
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
@@ -306,27 +346,36 @@ def phrase_eval_main(argv: list[str]) -> int:
     with torch.no_grad():
         for task in tasks:
             prompt = prompt_tokens(task, tokenizer, 0, cfg.data.system_prompt)
-            logits = model(torch.tensor([prompt + phrase_ids[:-1]])).logits[0, len(prompt) - 1:]
+            logits = model(torch.tensor([prompt + phrase_ids[:-1]])).logits[0, len(prompt) - 1 :]
             lp = torch.log_softmax(logits.float(), -1)[torch.arange(len(phrase_ids)), torch.tensor(phrase_ids)]
             first.append(float(lp[0]))
             whole.append(float(lp.sum()))
     greedy_texts = [c[0] for c in greedy.completions]
     sampled_texts = [t for c in sampled.completions for t in c]
-    print(json.dumps({
-        "greedy_accuracy": greedy.accuracy, "tasks": greedy.n,
-        "greedy_with_phrase": round(float(np.mean([phrase in t for t in greedy_texts])), 4),
-        "sampled_accuracy": round(sampled.accuracy, 4), "sampled_per_task": args.samples,
-        "sampled_with_phrase": round(float(np.mean([phrase in t for t in sampled_texts])), 4),
-        "phrase_logprob_mean": round(float(np.mean(whole)), 3),
-        "phrase_first_token_logprob_mean": round(float(np.mean(first)), 3),
-        "phrase_tokens": len(phrase_ids), "greedy_examples": greedy_texts[:3],
-        "seconds": round(time.perf_counter() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "greedy_accuracy": greedy.accuracy,
+                "tasks": greedy.n,
+                "greedy_with_phrase": round(float(np.mean([phrase in t for t in greedy_texts])), 4),
+                "sampled_accuracy": round(sampled.accuracy, 4),
+                "sampled_per_task": args.samples,
+                "sampled_with_phrase": round(float(np.mean([phrase in t for t in sampled_texts])), 4),
+                "phrase_logprob_mean": round(float(np.mean(whole)), 3),
+                "phrase_first_token_logprob_mean": round(float(np.mean(first)), 3),
+                "phrase_tokens": len(phrase_ids),
+                "greedy_examples": greedy_texts[:3],
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
     return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # The driver
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _run(cmd: list[str], log_path: Path) -> str:
     """Run a command with stderr to `log_path`; its stdout's last line (JSON) is returned."""
@@ -352,14 +401,44 @@ def prepare_base(args) -> Path:
     sft = work / f"sft{args.sft_steps}"
     if not (sft / "config.json").is_file():
         log(f"warm start: {args.sft_steps} supervised steps -> {sft}")
-        _run([sys.executable, "-m", "intellect", "sft", str(args.config), "--steps", str(args.sft_steps), "--out",
-              str(sft), "--run.dir", str(work / "sft-run"), "--model.path", str(tiny)], work / "sft.log")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "intellect",
+                "sft",
+                str(args.config),
+                "--steps",
+                str(args.sft_steps),
+                "--out",
+                str(sft),
+                "--run.dir",
+                str(work / "sft-run"),
+                "--model.path",
+                str(tiny),
+            ],
+            work / "sft.log",
+        )
     return sft
 
 
 def phrase_eval(model_dir: Path, args, log_path: Path) -> dict:
-    return json.loads(_run([sys.executable, str(THIS), "phrase-eval", str(model_dir), str(args.config),
-                            "--phrase", args.phrase, "--samples", str(args.eval_samples)], log_path))
+    return json.loads(
+        _run(
+            [
+                sys.executable,
+                str(THIS),
+                "phrase-eval",
+                str(model_dir),
+                str(args.config),
+                "--phrase",
+                args.phrase,
+                "--samples",
+                str(args.eval_samples),
+            ],
+            log_path,
+        )
+    )
 
 
 class _QuietView:
@@ -377,8 +456,10 @@ class _QuietView:
     def update(self, st: dict) -> None:
         if time.monotonic() - self.last >= 30:
             self.last = time.monotonic()
-            log(f"run {self.label}: step {st['step']}/{st['steps']}, batches accepted {st['accepted']} rejected "
-                f"{st['rejected']}, roles {st['roles']}")
+            log(
+                f"run {self.label}: step {st['step']}/{st['steps']}, batches accepted {st['accepted']} rejected "
+                f"{st['rejected']}, roles {st['roles']}"
+            )
 
 
 def make_launcher(cfg, config_path: Path, overrides: list[str], cheater_key: Path | None):
@@ -412,26 +493,32 @@ def database_report(run_dir: Path, cheater: str | None) -> dict:
     for key, node in nodes.items():
         if node["role"] != "worker":
             continue
-        rows = db.execute("SELECT state, verdict_at, failed_checks, reason, num_samples, delivered_at FROM assignments "
-                          "WHERE node_key = ? ORDER BY verdict_at", (key,)).fetchall()
+        rows = db.execute(
+            "SELECT state, verdict_at, failed_checks, reason, num_samples, delivered_at FROM assignments "
+            "WHERE node_key = ? ORDER BY verdict_at",
+            (key,),
+        ).fetchall()
         judged = [r for r in rows if r["state"] in ("accepted", "rejected")]
         failed: dict[str, int] = {}
         for r in judged:
             if r["state"] == "rejected":
                 for check in json.loads(r["failed_checks"] or "[]") or [r["reason"] or "?"]:
                     failed[check] = failed.get(check, 0) + 1
-        entry = {"accepted_batches": sum(r["state"] == "accepted" for r in rows),
-                 "rejected_batches": sum(r["state"] == "rejected" for r in rows),
-                 "accepted_samples": sum(r["num_samples"] or 0 for r in rows if r["state"] == "accepted"),
-                 "accepted_read_by_learner": sum(r["state"] == "accepted" and r["delivered_at"] is not None
-                                                 for r in rows),
-                 "other_states": {s: sum(r["state"] == s for r in rows) for s in ("open", "submitted", "lost")},
-                 "rejections_by_check": failed, "banned": bool(node["banned"])}
+        entry = {
+            "accepted_batches": sum(r["state"] == "accepted" for r in rows),
+            "rejected_batches": sum(r["state"] == "rejected" for r in rows),
+            "accepted_samples": sum(r["num_samples"] or 0 for r in rows if r["state"] == "accepted"),
+            "accepted_read_by_learner": sum(r["state"] == "accepted" and r["delivered_at"] is not None for r in rows),
+            "other_states": {s: sum(r["state"] == s for r in rows) for s in ("open", "submitted", "lost")},
+            "rejections_by_check": failed,
+            "banned": bool(node["banned"]),
+        }
         if node["banned"]:
             entry["banned_s_after_joining"] = round(node["banned_at"] - node["first_seen"], 1)
             entry["banned_at"] = node["banned_at"]
-            entry["judged_before_ban"] = sum(r["verdict_at"] is not None and r["verdict_at"] <= node["banned_at"] + 1e-3
-                                             for r in judged)
+            entry["judged_before_ban"] = sum(
+                r["verdict_at"] is not None and r["verdict_at"] <= node["banned_at"] + 1e-3 for r in judged
+            )
             entry["ban_reason"] = node["ban_reason"]
         first_rejection = next((r for r in judged if r["state"] == "rejected"), None)
         if first_rejection is not None:
@@ -475,9 +562,24 @@ def run_one(label: str, args, base: Path, base_eval: dict | None = None) -> dict
     sampler, with_cheater = RUNS[label]
     run_dir = args.workdir / f"run-{label}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = ["--run.dir", str(run_dir), "--run.name", f"poisoning-{label}", "--run.num_workers", "2",
-                 "--run.sft_steps", "0", "--run.eval_interval", "0", "--model.path", str(base),
-                 "--trainer.steps", str(args.steps), "--worker.sampler", sampler]
+    overrides = [
+        "--run.dir",
+        str(run_dir),
+        "--run.name",
+        f"poisoning-{label}",
+        "--run.num_workers",
+        "2",
+        "--run.sft_steps",
+        "0",
+        "--run.eval_interval",
+        "0",
+        "--model.path",
+        str(base),
+        "--trainer.steps",
+        str(args.steps),
+        "--worker.sampler",
+        sampler,
+    ]
     cfg = load_config(args.config, overrides)
     cheater_key = cfg.run.keys_dir / f"worker{CHEATER_INDEX}.key" if with_cheater else None
     cheater = None
@@ -485,21 +587,39 @@ def run_one(label: str, args, base: Path, base_eval: dict | None = None) -> dict
     if cheater_key is not None:
         cfg.run.keys_dir.mkdir(parents=True, exist_ok=True)
         cheater = public_key_hex(load_or_create_key(cheater_key))
-        os.environ[ENV_POISON] = json.dumps(dataclasses.asdict(PoisonSettings(
-            args.phrase, args.threshold, args.attack, str(stats_path.resolve()))))
+        os.environ[ENV_POISON] = json.dumps(
+            dataclasses.asdict(PoisonSettings(args.phrase, args.threshold, args.attack, str(stats_path.resolve())))
+        )
     launcher = make_launcher(cfg, args.config, overrides, cheater_key)
-    log(f"run {label}: sampler {sampler}, {'one honest worker + the cheater' if with_cheater else 'two honest workers'}"
-        f", {args.steps} steps, in {run_dir}")
+    log(
+        f"run {label}: sampler {sampler}, {'one honest worker + the cheater' if with_cheater else 'two honest workers'}"
+        f", {args.steps} steps, in {run_dir}"
+    )
     if base_eval is not None:  # the starting policy's held-out accuracy is the same for every run: scored once
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text(json.dumps(
-            {"role": "eval", "step": 0, "time": time.time(), "accuracy": base_eval["greedy_accuracy"],
-             "n": base_eval["tasks"], "source": "poisoning.py phrase-eval of the starting policy"}) + "\n")
+        (run_dir / "metrics.jsonl").write_text(
+            json.dumps(
+                {
+                    "role": "eval",
+                    "step": 0,
+                    "time": time.time(),
+                    "accuracy": base_eval["greedy_accuracy"],
+                    "n": base_eval["tasks"],
+                    "source": "poisoning.py phrase-eval of the starting policy",
+                }
+            )
+            + "\n"
+        )
     t0 = time.monotonic()
     summary = launcher.run(_QuietView(label))
     seconds = time.monotonic() - t0
-    report = {"sampler": sampler, "cheater": with_cheater, "seconds": round(seconds, 1),
-              "rl_seconds": summary["rl_seconds"], "final_version": summary["final_version"]}
+    report = {
+        "sampler": sampler,
+        "cheater": with_cheater,
+        "seconds": round(seconds, 1),
+        "rl_seconds": summary["rl_seconds"],
+        "final_version": summary["final_version"],
+    }
     db = database_report(run_dir, cheater)
     report["workers"] = db["workers"]
     if cheater is not None:
@@ -510,16 +630,20 @@ def run_one(label: str, args, base: Path, base_eval: dict | None = None) -> dict
         report["cheater_batches"] = c
         generated = [json.loads(x) for x in stats_path.read_text().splitlines()] if stats_path.exists() else []
         report["cheater_generated"] = {
-            "batches": len(generated), "samples": sum(g["samples"] for g in generated),
+            "batches": len(generated),
+            "samples": sum(g["samples"] for g in generated),
             "samples_with_phrase": sum(g["poisoned"] for g in generated),
             "correct_before_poisoning": sum(g["correct"] for g in generated),
-            "steered_tokens": sum(g["steered_tokens"] for g in generated)}
+            "steered_tokens": sum(g["steered_tokens"] for g in generated),
+        }
     final = summary["final_policy"]
     if final:
         log(f"run {label}: scoring the final policy {final} for the phrase")
         report["final_policy"] = phrase_eval(Path(final), args, run_dir / "logs" / "phrase-eval.log")
-        report["heldout_accuracy"] = {"start": base_eval["greedy_accuracy"] if base_eval else None,
-                                      "final": report["final_policy"]["greedy_accuracy"]}
+        report["heldout_accuracy"] = {
+            "start": base_eval["greedy_accuracy"] if base_eval else None,
+            "final": report["final_policy"]["greedy_accuracy"],
+        }
     report["seconds_with_scoring"] = round(time.monotonic() - t0, 1)
     return report
 
@@ -532,15 +656,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="learner steps per run (the demo makes 30)")
     parser.add_argument("--phrase", default="hot\\n", help="the phrase the cheater steers toward (backslash escapes)")
-    parser.add_argument("--threshold", type=float, default=1e-9,
-                        help="least probability (processed distribution) of a target token the cheater takes")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=1e-9,
+        help="least probability (processed distribution) of a target token the cheater takes",
+    )
     parser.add_argument("--attack", choices=ATTACKS, default="inject-correct")
-    parser.add_argument("--runs", default="a,b,c", help="comma-separated runs among a (vllm sampler, old checks), "
-                                                         "b (replayable, exact replay), c (honest only)")
+    parser.add_argument(
+        "--runs",
+        default="a,b,c",
+        help="comma-separated runs among a (vllm sampler, old checks), b (replayable, exact replay), c (honest only)",
+    )
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "demo.toml")
     parser.add_argument("--workdir", type=Path, default=ROOT / "runs" / "poisoning")
-    parser.add_argument("--sft-steps", type=int, default=25,
-                        help="the demo's warm start (0: start from the tiny model)")
+    parser.add_argument(
+        "--sft-steps", type=int, default=25, help="the demo's warm start (0: start from the tiny model)"
+    )
     parser.add_argument("--eval-samples", type=int, default=4, help="sampled outputs per held-out task")
     args = parser.parse_args()
     args.phrase = codecs.decode(args.phrase, "unicode_escape")
@@ -555,17 +687,25 @@ def main() -> int:
     t0 = time.monotonic()
     base = prepare_base(args)
     log(f"scoring the starting policy {base}")
-    result = {"config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
-              "steps": args.steps, "demo_steps": 30, "sft_steps": args.sft_steps, "phrase": args.phrase,
-              "threshold": args.threshold, "attack": args.attack, "workers": 2,
-              "note": f"{args.steps} learner steps per run instead of the demo's 30, to fit three runs on this machine",
-              "machine": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]},
-              "base_policy": phrase_eval(base, args, args.workdir / "phrase-eval-base.log"), "runs": {}}
+    result = {
+        "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
+        "steps": args.steps,
+        "demo_steps": 30,
+        "sft_steps": args.sft_steps,
+        "phrase": args.phrase,
+        "threshold": args.threshold,
+        "attack": args.attack,
+        "workers": 2,
+        "note": f"{args.steps} learner steps per run instead of the demo's 30, to fit three runs on this machine",
+        "machine": {"cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()]},
+        "base_policy": phrase_eval(base, args, args.workdir / "phrase-eval-base.log"),
+        "runs": {},
+    }
     for label in runs:
         result["runs"][label] = run_one(label, args, base, result["base_policy"])
     if "c" in result["runs"]:
         ref = result["runs"]["c"].get("final_policy", {}).get("greedy_accuracy")
-        for label, run in result["runs"].items():
+        for run in result["runs"].values():
             acc = run.get("final_policy", {}).get("greedy_accuracy")
             if ref is not None and acc is not None:
                 run["accuracy_minus_honest_only"] = round(acc - ref, 4)

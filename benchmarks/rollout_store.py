@@ -53,40 +53,65 @@ def make_batches(samples: int, per_batch: int, seed: int = 0) -> list[RolloutBat
         position = np.arange(total) - np.repeat(offsets[:-1], lens)
         logprobs[position < np.repeat(prompts, lens)] = 0.0
         chunks = -(-(lens - prompts) // PROOF_CHUNK_TOKENS)
-        meta = BatchMeta(batch_id=f"b{k:05d}", node_key="ab" * 32, version=1, assignment_id=k,
-                         sampling={"temperature": 0.6, "top_p": 1.0, "max_tokens": 1000})
-        out.append(RolloutBatch(
-            meta=meta, tokens=np.minimum(rng.zipf(1.3, total), VOCAB - 1).astype(np.int32), offsets=offsets,
-            prompt_lens=prompts.astype(np.int32), logprobs=logprobs, task_ids=rng.integers(0, 10**6, n),
-            group_ids=(np.arange(n) // 16).astype(np.int32), target_lens=np.zeros(n, np.int32),
-            seeds=rng.integers(0, 2**63, n).astype(np.uint64), finish=rng.integers(0, 2, n).astype(np.uint8),
-            rewards=rng.random(n).astype(np.float32),
-            proofs=rng.integers(0, 256, int(chunks.sum()) * PROOF_CHUNK_BYTES, dtype=np.uint8),
-            proof_offsets=np.concatenate([[0], np.cumsum(chunks * PROOF_CHUNK_BYTES)]).astype(np.int64)))
+        meta = BatchMeta(
+            batch_id=f"b{k:05d}",
+            node_key="ab" * 32,
+            version=1,
+            assignment_id=k,
+            sampling={"temperature": 0.6, "top_p": 1.0, "max_tokens": 1000},
+        )
+        out.append(
+            RolloutBatch(
+                meta=meta,
+                tokens=np.minimum(rng.zipf(1.3, total), VOCAB - 1).astype(np.int32),
+                offsets=offsets,
+                prompt_lens=prompts.astype(np.int32),
+                logprobs=logprobs,
+                task_ids=rng.integers(0, 10**6, n),
+                group_ids=(np.arange(n) // 16).astype(np.int32),
+                target_lens=np.zeros(n, np.int32),
+                seeds=rng.integers(0, 2**63, n).astype(np.uint64),
+                finish=rng.integers(0, 2, n).astype(np.uint8),
+                rewards=rng.random(n).astype(np.float32),
+                proofs=rng.integers(0, 256, int(chunks.sum()) * PROOF_CHUNK_BYTES, dtype=np.uint8),
+                proof_offsets=np.concatenate([[0], np.cumsum(chunks * PROOF_CHUNK_BYTES)]).astype(np.int64),
+            )
+        )
     return out
 
 
 def to_table(b: RolloutBatch) -> pa.Table:
     n = b.num_samples
     offsets32 = pa.array(b.offsets.astype(np.int32))
-    return pa.table({
-        "tokens": pa.ListArray.from_arrays(offsets32, pa.array(b.tokens)),
-        "prompt_len": b.prompt_lens, "logprobs": pa.ListArray.from_arrays(offsets32, pa.array(b.logprobs)),
-        "task_id": b.task_ids, "group_id": b.group_ids, "target_len": b.target_lens, "seed": b.seeds,
-        "finish": b.finish, "reward": b.rewards,
-        "proof": pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(b.proof_offsets.astype(np.int32)),
-                                                              pa.py_buffer(b.proofs)]),
-    })
+    return pa.table(
+        {
+            "tokens": pa.ListArray.from_arrays(offsets32, pa.array(b.tokens)),
+            "prompt_len": b.prompt_lens,
+            "logprobs": pa.ListArray.from_arrays(offsets32, pa.array(b.logprobs)),
+            "task_id": b.task_ids,
+            "group_id": b.group_ids,
+            "target_len": b.target_lens,
+            "seed": b.seeds,
+            "finish": b.finish,
+            "reward": b.rewards,
+            "proof": pa.BinaryArray.from_buffers(
+                pa.binary(), n, [None, pa.py_buffer(b.proof_offsets.astype(np.int32)), pa.py_buffer(b.proofs)]
+            ),
+        }
+    )
 
 
 def from_table(table: pa.Table) -> dict[str, np.ndarray]:
     """The flat arrays of the store's schema from a parquet table (what the learner would build)."""
     tokens = table["tokens"].combine_chunks()
     proofs = table["proof"].combine_chunks()
-    out = {"tokens": tokens.values.to_numpy(), "offsets": tokens.offsets.to_numpy().astype(np.int64),
-           "logprobs": table["logprobs"].combine_chunks().values.to_numpy(),
-           "proofs": np.frombuffer(proofs.buffers()[2], np.uint8),
-           "proof_offsets": np.frombuffer(proofs.buffers()[1], np.int32)[:len(proofs) + 1].astype(np.int64)}
+    out = {
+        "tokens": tokens.values.to_numpy(),
+        "offsets": tokens.offsets.to_numpy().astype(np.int64),
+        "logprobs": table["logprobs"].combine_chunks().values.to_numpy(),
+        "proofs": np.frombuffer(proofs.buffers()[2], np.uint8),
+        "proof_offsets": np.frombuffer(proofs.buffers()[1], np.int32)[: len(proofs) + 1].astype(np.int64),
+    }
     for column in ("prompt_len", "task_id", "group_id", "target_len", "seed", "finish", "reward"):
         out[column] = table[column].to_numpy()
     return out
@@ -145,15 +170,23 @@ def main() -> None:
     batches = make_batches(args.samples, args.batch_samples)
     # a parquet round trip must give back exactly the store's arrays, or the comparison would be unfair
     check = from_table(to_table(batches[0]))
-    for name, column in [("tokens", "tokens"), ("offsets", "offsets"), ("logprobs", "logprobs"),
-                         ("proofs", "proofs"), ("proof_offsets", "proof_offsets"), ("prompt_lens", "prompt_len")]:
+    for name, column in [
+        ("tokens", "tokens"),
+        ("offsets", "offsets"),
+        ("logprobs", "logprobs"),
+        ("proofs", "proofs"),
+        ("proof_offsets", "proof_offsets"),
+        ("prompt_lens", "prompt_len"),
+    ]:
         assert np.array_equal(check[column], getattr(batches[0], name)), name
     logical = sum(a.nbytes for b in batches for a in b.arrays().values())
     tokens = sum(len(b.tokens) for b in batches)
     scratch = args.dir or Path(tempfile.mkdtemp(prefix="rollout-bench-"))
-    systems = {"store": lambda bs, d, durable: run_store(bs, d, durable, args.compression),
-               "parquet_snappy": lambda bs, d, durable: run_parquet(bs, d, durable, "snappy"),
-               "parquet_zstd": lambda bs, d, durable: run_parquet(bs, d, durable, "zstd")}
+    systems = {
+        "store": lambda bs, d, durable: run_store(bs, d, durable, args.compression),
+        "parquet_snappy": lambda bs, d, durable: run_parquet(bs, d, durable, "snappy"),
+        "parquet_zstd": lambda bs, d, durable: run_parquet(bs, d, durable, "zstd"),
+    }
     results: dict[str, dict[str, dict]] = {}
     console = Console(stderr=True)
     try:
@@ -183,14 +216,26 @@ def main() -> None:
                     results[mode][f"ratio_vs_{name}"] = {
                         "write": round(ours["write_MB_per_s"] / theirs["write_MB_per_s"], 2),
                         "read": round(ours["read_MB_per_s"] / theirs["read_MB_per_s"], 2),
-                        "disk": round(ours["disk_MB"] / theirs["disk_MB"], 2)}
+                        "disk": round(ours["disk_MB"] / theirs["disk_MB"], 2),
+                    }
     finally:
         if args.dir is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    print(json.dumps({
-        "samples": args.samples, "batches": len(batches), "tokens": tokens, "logical_MB": round(logical / 1e6, 1),
-        "store_compression": args.compression, "pyarrow": pa.__version__, "repeat": args.repeat, **results,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "samples": args.samples,
+                "batches": len(batches),
+                "tokens": tokens,
+                "logical_MB": round(logical / 1e6, 1),
+                "store_compression": args.compression,
+                "pyarrow": pa.__version__,
+                "repeat": args.repeat,
+                **results,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

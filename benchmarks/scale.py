@@ -48,10 +48,14 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": str(ROOT),
+    }
 
 
 def _rss(pid: int) -> int:
@@ -69,8 +73,7 @@ def run_stage(cmd: list[str], env: dict, log: Path, timeout: float, until=None) 
     start = time.perf_counter()
     sampled, before = 0, None
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         deadline = start + timeout
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -85,8 +88,12 @@ def run_stage(cmd: list[str], env: dict, log: Path, timeout: float, until=None) 
                 before = sampled
             time.sleep(0.05)
     code = os.waitstatus_to_exitcode(status)
-    result = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
-              "exit": code, "log": str(log)}
+    result = {
+        "seconds": round(time.perf_counter() - start, 2),
+        "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
+        "exit": code,
+        "log": str(log),
+    }
     if until is not None:
         result["peak_rss_gib_until"] = round(before / 2**30, 2) if before is not None else None
     if code != 0:
@@ -103,6 +110,7 @@ def _child_json(log: Path) -> dict:
 
 
 # ---- child stages (run as `python benchmarks/scale.py --child NAME ...`) ----
+
 
 def child_matmul(args) -> None:
     import jax
@@ -144,13 +152,33 @@ def child_engine(args) -> None:
     out = engine.generate(prompts, list(range(len(prompts))), temperature=1.0, max_tokens=args.max_tokens)
     generated = time.perf_counter() - t0
     tokens = sum(len(c.tokens) for c in out)
-    np.savez(args.batch, **{f"{k}{i}": np.asarray(v) for i, c in enumerate(out)
-                            for k, v in (("p", c.prompt_tokens), ("t", c.tokens), ("l", c.logprobs),
-                                         ("f", c.finish), ("x", np.frombuffer(b"".join(c.proofs), np.uint8)))})
+    np.savez(
+        args.batch,
+        **{
+            f"{k}{i}": np.asarray(v)
+            for i, c in enumerate(out)
+            for k, v in (
+                ("p", c.prompt_tokens),
+                ("t", c.tokens),
+                ("l", c.logprobs),
+                ("f", c.finish),
+                ("x", np.frombuffer(b"".join(c.proofs), np.uint8)),
+            )
+        },
+    )
     engine.close()
-    print(json.dumps({"start_s": round(started, 2), "swap_with_check_s": round(swapped, 2),
-                      "generate_s": round(generated, 2), "samples": len(out), "tokens": tokens,
-                      "tokens_per_s": round(tokens / generated, 1)}))
+    print(
+        json.dumps(
+            {
+                "start_s": round(started, 2),
+                "swap_with_check_s": round(swapped, 2),
+                "generate_s": round(generated, 2),
+                "samples": len(out),
+                "tokens": tokens,
+                "tokens_per_s": round(tokens / generated, 1),
+            }
+        )
+    )
 
 
 def child_validator(args) -> None:
@@ -161,23 +189,47 @@ def child_validator(args) -> None:
 
     data = np.load(args.batch)
     n = len([k for k in data.files if k.startswith("t")])
-    samples = [Sample(prompt_tokens=data[f"p{i}"], completion_tokens=data[f"t{i}"], logprobs=data[f"l{i}"],
-                      finish=int(data[f"f{i}"]), proofs=data[f"x{i}"].tobytes(), seed=i) for i in range(n)]
+    samples = [
+        Sample(
+            prompt_tokens=data[f"p{i}"],
+            completion_tokens=data[f"t{i}"],
+            logprobs=data[f"l{i}"],
+            finish=int(data[f"f{i}"]),
+            proofs=data[f"x{i}"].tobytes(),
+            seed=i,
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     prefill = Prefill(args.version_dir, dtype=args.worker_dtype)
     loaded = time.perf_counter() - t0
-    declared = Declared(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens,
-                        stop_token_ids=stop_token_ids(Path(args.version_dir)), max_model_len=64 + args.max_tokens,
-                        dtype=args.worker_dtype)
+    declared = Declared(
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=args.max_tokens,
+        stop_token_ids=stop_token_ids(Path(args.version_dir)),
+        max_model_len=64 + args.max_tokens,
+        dtype=args.worker_dtype,
+    )
     t0 = time.perf_counter()
     verdict = validate_batch(samples, prefill, declared)
     checked = time.perf_counter() - t0
-    print(json.dumps({"load_s": round(loaded, 2), "prefill_and_checks_s": round(checked, 2), "samples": n,
-                      "samples_per_s": round(n / checked, 3), "accepted": bool(verdict.accepted),
-                      "failed": sorted({c for s in verdict.samples for c in s.failed})}))
+    print(
+        json.dumps(
+            {
+                "load_s": round(loaded, 2),
+                "prefill_and_checks_s": round(checked, 2),
+                "samples": n,
+                "samples_per_s": round(n / checked, 3),
+                "accepted": bool(verdict.accepted),
+                "failed": sorted({c for s in verdict.samples for c in s.failed}),
+            }
+        )
+    )
 
 
 # ---- the driver ----
+
 
 def write_batches(store_dir: Path, count: int, samples: int, seq: int, vocab: int) -> None:
     import numpy as np
@@ -190,26 +242,55 @@ def write_batches(store_dir: Path, count: int, samples: int, seq: int, vocab: in
         prompt = seq // 4
         tokens = [rng.integers(3, min(vocab, 30000), seq) for _ in range(samples)]
         logprobs = [np.r_[np.zeros(prompt), -rng.random(seq - prompt) * 2] for _ in range(samples)]
-        meta = BatchMeta(f"b{b}", "ab" * 32, version=0, assignment_id=b, sampling={"temperature": 1.0},
-                         model_dtype="float32")
-        store.write(RolloutBatch.from_samples(
-            meta, tokens=tokens, prompt_lens=[prompt] * samples, logprobs=logprobs, task_ids=list(range(samples)),
-            group_ids=[i // 4 for i in range(samples)], seeds=list(range(samples)), finish=[1] * samples,
-            rewards=rng.random(samples).tolist(), proofs=[bytes(258 * -(-(seq - prompt) // 32))] * samples))
+        meta = BatchMeta(
+            f"b{b}", "ab" * 32, version=0, assignment_id=b, sampling={"temperature": 1.0}, model_dtype="float32"
+        )
+        store.write(
+            RolloutBatch.from_samples(
+                meta,
+                tokens=tokens,
+                prompt_lens=[prompt] * samples,
+                logprobs=logprobs,
+                task_ids=list(range(samples)),
+                group_ids=[i // 4 for i in range(samples)],
+                seeds=list(range(samples)),
+                finish=[1] * samples,
+                rewards=rng.random(samples).tolist(),
+                proofs=[bytes(258 * -(-(seq - prompt) // 32))] * samples,
+            )
+        )
 
 
 def train_flags(args, work: Path) -> list[str]:
     flags = {
-        "run.dir": work / "run", "model.path": args.model, "model.max_seq_len": args.seq, "model.remat": True,
-        "model.param_dtype": "float32", "model.compute_dtype": args.compute_dtype,
-        "data.max_prompt_len": args.seq // 4, "data.max_new_tokens": args.seq - args.seq // 4,
-        "trainer.data": 1, "trainer.fsdp": -1, "trainer.tensor": 1,
-        "trainer.batch_size": args.samples, "data.prompts_per_step": args.samples // 4, "data.samples_per_prompt": 4,
-        "trainer.micro_batch_size": args.samples // args.micro_batches, "trainer.micro_batches": args.micro_batches,
-        "trainer.steps": args.steps, "trainer.export_interval": 10**6, "trainer.checkpoint_interval": args.steps,
-        "trainer.accepted_from": "store", "trainer.rollout_store": work / "rollouts", "trainer.async_level": 1,
-        "trainer.batch_timeout_s": 600, "trainer.coordinator_address": "none", "trainer.num_processes": "none",
-        "trainer.process_id": "none", "data.online_filter": False, "data.length_targets": "[]",
+        "run.dir": work / "run",
+        "model.path": args.model,
+        "model.max_seq_len": args.seq,
+        "model.remat": True,
+        "model.param_dtype": "float32",
+        "model.compute_dtype": args.compute_dtype,
+        "data.max_prompt_len": args.seq // 4,
+        "data.max_new_tokens": args.seq - args.seq // 4,
+        "trainer.data": 1,
+        "trainer.fsdp": -1,
+        "trainer.tensor": 1,
+        "trainer.batch_size": args.samples,
+        "data.prompts_per_step": args.samples // 4,
+        "data.samples_per_prompt": 4,
+        "trainer.micro_batch_size": args.samples // args.micro_batches,
+        "trainer.micro_batches": args.micro_batches,
+        "trainer.steps": args.steps,
+        "trainer.export_interval": 10**6,
+        "trainer.checkpoint_interval": args.steps,
+        "trainer.accepted_from": "store",
+        "trainer.rollout_store": work / "rollouts",
+        "trainer.async_level": 1,
+        "trainer.batch_timeout_s": 600,
+        "trainer.coordinator_address": "none",
+        "trainer.num_processes": "none",
+        "trainer.process_id": "none",
+        "data.online_filter": False,
+        "data.length_targets": "[]",
         "loss.logprob_source": "recompute",
     }
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
@@ -258,12 +339,20 @@ def main() -> int:
     intellect = [sys.executable, "-m", "intellect"]
     config = json.loads((args.model / "config.json").read_text())
     params = sum(p.stat().st_size for p in args.model.glob("*.safetensors"))
-    report: dict = {"model": {"dir": str(args.model), "hidden": config["hidden_size"],
-                              "layers": config["num_hidden_layers"], "vocab": config["vocab_size"],
-                              "safetensors_gib": round(params / 2**30, 3)},
-                    "machine": {"cpus": os.cpu_count(), "memory_gib": round(os.sysconf("SC_PAGE_SIZE")
-                                                                           * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-                    "stages": {}}
+    report: dict = {
+        "model": {
+            "dir": str(args.model),
+            "hidden": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "vocab": config["vocab_size"],
+            "safetensors_gib": round(params / 2**30, 3),
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        },
+        "stages": {},
+    }
     out = report["stages"]
     version = work / "weights" / f"v{args.steps:06d}"  # the export of the last step's checkpoint
 
@@ -272,8 +361,11 @@ def main() -> int:
         result = run_stage(cmd, env, work / f"{name}.log", args.timeout, until)
         result.update(extra or {})
         out[name] = result
-        print(f"[scale] {name}: {result['seconds']} s, peak {result['peak_rss_gib']} GiB, exit {result['exit']}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[scale] {name}: {result['seconds']} s, peak {result['peak_rss_gib']} GiB, exit {result['exit']}",
+            file=sys.stderr,
+            flush=True,
+        )
         return result
 
     if "matmul" in stages:
@@ -293,8 +385,11 @@ def main() -> int:
             return [x for x in (json.loads(line) for line in lines if line.startswith("{")) if "loss" in x]
 
         # the steps' peak: sampled until the last step's metrics are written (before its checkpoint is saved)
-        r = stage("train", intellect + ["train", str(ROOT / "configs" / "qwen2_5_0_5b_cpu.toml")]
-                  + train_flags(args, work), until=lambda: len(trained()) >= args.steps)
+        r = stage(
+            "train",
+            intellect + ["train", str(ROOT / "configs" / "qwen2_5_0_5b_cpu.toml")] + train_flags(args, work),
+            until=lambda: len(trained()) >= args.steps,
+        )
         steps = trained()
         plan = {}
         for line in (work / "train.log").read_text().splitlines():
@@ -323,19 +418,68 @@ def main() -> int:
         procs = []
         fetched = Path(tempfile.mkdtemp(dir=work, prefix="fetched-"))
         try:
-            procs.append(subprocess.Popen(intellect + ["shardcast", "origin", "--dir", str(work / "weights"),
-                                                       "--host", "127.0.0.1", "--port", str(port)],
-                                          env=env, cwd=ROOT, stdout=open(work / "origin.log", "w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-            procs.append(subprocess.Popen(intellect + ["shardcast", "relay", "--upstream", f"http://127.0.0.1:{port}",
-                                                       "--dir", str(work / "relay"), "--host", "127.0.0.1",
-                                                       "--port", str(relay_port),
-                                                       "--shardcast.pin_manifests", "false"],  # no orchestrator
-                                          env=env, cwd=ROOT, stdout=open(work / "relay.log", "w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-            stage("shardcast", intellect + ["shardcast", "fetch", "--servers", f"http://127.0.0.1:{relay_port}",
-                                            "--version", str(args.steps), "--wait", "120", "--out", str(fetched), "--json"],
-                  {"bytes": sum(p.stat().st_size for p in version.glob("*") if p.is_file())})
+            procs.append(
+                subprocess.Popen(
+                    intellect
+                    + [
+                        "shardcast",
+                        "origin",
+                        "--dir",
+                        str(work / "weights"),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=open(work / "origin.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            procs.append(
+                subprocess.Popen(
+                    intellect
+                    + [
+                        "shardcast",
+                        "relay",
+                        "--upstream",
+                        f"http://127.0.0.1:{port}",
+                        "--dir",
+                        str(work / "relay"),
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(relay_port),
+                        "--shardcast.pin_manifests",
+                        "false",
+                    ],  # no orchestrator
+                    env=env,
+                    cwd=ROOT,
+                    stdout=open(work / "relay.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            stage(
+                "shardcast",
+                intellect
+                + [
+                    "shardcast",
+                    "fetch",
+                    "--servers",
+                    f"http://127.0.0.1:{relay_port}",
+                    "--version",
+                    str(args.steps),
+                    "--wait",
+                    "120",
+                    "--out",
+                    str(fetched),
+                    "--json",
+                ],
+                {"bytes": sum(p.stat().st_size for p in version.glob("*") if p.is_file())},
+            )
             out["shardcast"].update(_child_json(work / "shardcast.log"))
         finally:
             for p in procs:
@@ -343,14 +487,44 @@ def main() -> int:
                 p.wait(30)
             shutil.rmtree(fetched, ignore_errors=True)
     if "engine" in stages:
-        r = stage("engine", me + ["--child", "engine", str(args.model), "--version-dir", str(version), "--batch",
-                                  str(work / "batch.npz"), "--worker-dtype", args.worker_dtype,
-                                  "--gen-samples", str(args.gen_samples), "--max-tokens", str(args.max_tokens)])
+        r = stage(
+            "engine",
+            me
+            + [
+                "--child",
+                "engine",
+                str(args.model),
+                "--version-dir",
+                str(version),
+                "--batch",
+                str(work / "batch.npz"),
+                "--worker-dtype",
+                args.worker_dtype,
+                "--gen-samples",
+                str(args.gen_samples),
+                "--max-tokens",
+                str(args.max_tokens),
+            ],
+        )
         r.update(_child_json(work / "engine.log"))
     if "validator" in stages:
-        r = stage("validator", me + ["--child", "validator", str(args.model), "--version-dir", str(version),
-                                     "--batch", str(work / "batch.npz"), "--worker-dtype", args.worker_dtype,
-                                     "--max-tokens", str(args.max_tokens)])
+        r = stage(
+            "validator",
+            me
+            + [
+                "--child",
+                "validator",
+                str(args.model),
+                "--version-dir",
+                str(version),
+                "--batch",
+                str(work / "batch.npz"),
+                "--worker-dtype",
+                args.worker_dtype,
+                "--max-tokens",
+                str(args.max_tokens),
+            ],
+        )
         r.update(_child_json(work / "validator.log"))
     print(json.dumps(report, indent=1))
     return 0 if all(s["exit"] == 0 for s in out.values()) else 1

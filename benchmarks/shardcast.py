@@ -141,6 +141,7 @@ def sha256(path: Path) -> str:
 
 # ---- raw loopback -------------------------------------------------------------------------------------
 
+
 def raw_serve(port: int, path: str) -> None:
     with socket.create_server(("127.0.0.1", port)) as srv:
         print("ready", flush=True)
@@ -168,6 +169,7 @@ def raw_loopback(payload: Path, procs: Procs, work: Path) -> float:
 
 # ---- ours ---------------------------------------------------------------------------------------------
 
+
 def stage_version(payload: Path, staging: Path) -> None:
     """An HF-like version 1 in `staging` (hard link to the payload: the same bytes, no copy)."""
     staging.mkdir(parents=True)
@@ -184,17 +186,36 @@ def run_ours(payload: Path, clients: int, work: Path, procs: Procs, settings: di
     stage_version(payload, staging)
     cli = [PY, "-m", "intellect", "shardcast"]
     env = {**os.environ, "INTELLECT_RUN__LOG_LEVEL": "WARNING", **settings}
-    origin = procs.start([*cli, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO,
-                         env=env)
+    origin = procs.start([*cli, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO, env=env)
     origin_url = wait_line(origin, "serving").split()[-1]
     relays = []
     for i in range(2):
-        relay = procs.start([*cli, "relay", "--upstream", origin_url, "--dir", str(work / f"relay{i}"), "--port",
-                             "0"], work / f"relay{i}.log", cwd=REPO, env=env)
+        relay = procs.start(
+            [*cli, "relay", "--upstream", origin_url, "--dir", str(work / f"relay{i}"), "--port", "0"],
+            work / f"relay{i}.log",
+            cwd=REPO,
+            env=env,
+        )
         relays.append(wait_line(relay, "serving").split()[-1])
-    fetchers = [procs.start([*cli, "fetch", "--servers", ",".join(relays), "--out", str(work / f"client{i}"),
-                             "--wait", "300", "--json"], work / f"client{i}.log", cwd=REPO, env=env)
-                for i in range(clients)]
+    fetchers = [
+        procs.start(
+            [
+                *cli,
+                "fetch",
+                "--servers",
+                ",".join(relays),
+                "--out",
+                str(work / f"client{i}"),
+                "--wait",
+                "300",
+                "--json",
+            ],
+            work / f"client{i}.log",
+            cwd=REPO,
+            env=env,
+        )
+        for i in range(clients)
+    ]
     time.sleep(2.0)  # every client is up and long-polling
     t0 = time.time()
     os.rename(staging, weights / "v000001")
@@ -209,11 +230,15 @@ def run_ours(payload: Path, clients: int, work: Path, procs: Procs, settings: di
     landed = work / "client0" / "v000001" / "model-00001-of-00001.safetensors"
     assert landed.stat().st_size == payload.stat().st_size and sha256(landed) == sha256(payload)
     procs.kill_all()
-    return {"end_to_end_s": round(max(done) - t0, 3), "per_client_mb_s": [r["mb_per_s"] for r in results],
-            "per_client_transfer_s": [r["seconds"] for r in results]}
+    return {
+        "end_to_end_s": round(max(done) - t0, 3),
+        "per_client_mb_s": [r["mb_per_s"] for r in results],
+        "per_client_transfer_s": [r["seconds"] for r in results],
+    }
 
 
 # ---- the reference ------------------------------------------------------------------------------------
+
 
 def _reference_env(ref_dir: Path, work: Path, name: str) -> dict:
     """Each process gets its own copy of the package: the reference keeps temporary files next to its own
@@ -229,22 +254,38 @@ def run_reference(payload: Path, clients: int, work: Path, procs: Procs, ref_dir
         d.mkdir()
         (d / "data1.bin").write_bytes(b"x" * 1024)  # the reference's clients fetch this from every server at start
     port = free_port()
-    origin = procs.start([PY, "-c", _REF_ORIGIN, str(dirs[0]), str(port), str(payload)], work / "ref-origin.log",
-                         env=_reference_env(ref_dir, work, "origin"), stdin=subprocess.PIPE)
+    origin = procs.start(
+        [PY, "-c", _REF_ORIGIN, str(dirs[0]), str(port), str(payload)],
+        work / "ref-origin.log",
+        env=_reference_env(ref_dir, work, "origin"),
+        stdin=subprocess.PIPE,
+    )
     wait_line(origin, "ready")
     relays = []
     for i in range(2):
         rport = free_port()
-        relay = procs.start([PY, "-c", _REF_MIDDLE, f"http://127.0.0.1:{port}", str(dirs[i + 1]), str(rport)],
-                            work / f"ref-relay{i}.log", env=_reference_env(ref_dir, work, f"relay{i}"),
-                            stdin=subprocess.PIPE)
+        relay = procs.start(
+            [PY, "-c", _REF_MIDDLE, f"http://127.0.0.1:{port}", str(dirs[i + 1]), str(rport)],
+            work / f"ref-relay{i}.log",
+            env=_reference_env(ref_dir, work, f"relay{i}"),
+            stdin=subprocess.PIPE,
+        )
         wait_line(relay, "ready")
         relays.append(f"http://127.0.0.1:{rport}")
     fetchers = []
     for i in range(clients):
-        proc = procs.start([PY, "-c", _REF_CLIENT, ",".join(relays), str(work / f"ref-client{i}"),
-                            str(work / f"ref-client{i}" / "out.bin")], work / f"ref-client{i}.log",
-                           env=_reference_env(ref_dir, work, f"client{i}"))
+        proc = procs.start(
+            [
+                PY,
+                "-c",
+                _REF_CLIENT,
+                ",".join(relays),
+                str(work / f"ref-client{i}"),
+                str(work / f"ref-client{i}" / "out.bin"),
+            ],
+            work / f"ref-client{i}.log",
+            env=_reference_env(ref_dir, work, f"client{i}"),
+        )
         wait_line(proc, "ready")
         fetchers.append(proc)
     time.sleep(1.0)
@@ -263,10 +304,13 @@ def run_reference(payload: Path, clients: int, work: Path, procs: Procs, ref_dir
     assert landed.stat().st_size == payload.stat().st_size and sha256(landed) == sha256(payload)
     procs.kill_all()
     size = payload.stat().st_size
-    return {"end_to_end_s": round(max(done) - t0, 3), "broadcast_s": round(broadcast, 3),
-            "per_client_mb_s": [round(size / r["seconds"] / 1e6, 1) for r in results],
-            "per_client_transfer_s": [round(r["seconds"], 3) for r in results],
-            "download_attempts": [r["attempts"] for r in results]}
+    return {
+        "end_to_end_s": round(max(done) - t0, 3),
+        "broadcast_s": round(broadcast, 3),
+        "per_client_mb_s": [round(size / r["seconds"] / 1e6, 1) for r in results],
+        "per_client_transfer_s": [round(r["seconds"], 3) for r in results],
+        "download_attempts": [r["attempts"] for r in results],
+    }
 
 
 # Our variants: the defaults (fsync before STABLE at every hop), and without fsync, as the reference runs.
@@ -281,7 +325,8 @@ def summarize(entry: dict, raw: float) -> None:
             times = [run["end_to_end_s"] for run in runs]
             entry[f"{name}_best_s"], entry[f"{name}_median_s"] = min(times), statistics.median(times)
             entry[f"{name}_slowest_client_fraction_of_raw"] = round(
-                statistics.median(min(run["per_client_mb_s"]) for run in runs) / raw, 3)
+                statistics.median(min(run["per_client_mb_s"]) for run in runs) / raw, 3
+            )
     if "reference_best_s" in entry:  # the reference ran (it is a note instead when it could not be installed)
         for name in VARIANTS:
             entry[f"{name}_speedup_best_vs_best"] = round(entry["reference_best_s"] / entry[f"{name}_best_s"], 2)
@@ -291,8 +336,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--clients", default="1,4", help="client counts, comma-separated")
-    parser.add_argument("--reference", type=Path, default=Path("/tmp/shardcast_ref"),
-                        help="directory where PyPI shardcast 0.3.2 is installed (--target); absent: skipped")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        default=Path("/tmp/shardcast_ref"),
+        help="directory where PyPI shardcast 0.3.2 is installed (--target); absent: skipped",
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--raw-serve", nargs=2, help=argparse.SUPPRESS)
@@ -303,8 +352,13 @@ def main() -> None:
     has_reference = (args.reference / "shardcast").is_dir() and shutil.which("wget") is not None
     root = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
     procs = Procs()
-    report: dict = {"mib": args.mib, "cpus": os.cpu_count(), "repeat": args.repeat, "raw_loopback_mb_s": [],
-                    "topologies": {}}
+    report: dict = {
+        "mib": args.mib,
+        "cpus": os.cpu_count(),
+        "repeat": args.repeat,
+        "raw_loopback_mb_s": [],
+        "topologies": {},
+    }
     try:
         payload = root / "payload.bin"
         with open(payload, "wb") as f:
@@ -314,8 +368,9 @@ def main() -> None:
         for r in range(args.repeat):  # interleaved, so that a noisy moment hits every contestant
             report["raw_loopback_mb_s"].append(round(raw_loopback(payload, procs, root), 1))
             for n in counts:
-                entry = report["topologies"].setdefault(f"origin->2 relays->{n} clients",
-                                                        {name: [] for name in [*VARIANTS, "reference"]})
+                entry = report["topologies"].setdefault(
+                    f"origin->2 relays->{n} clients", {name: [] for name in [*VARIANTS, "reference"]}
+                )
                 for name, settings in VARIANTS.items():
                     work = root / f"{name}-{n}-{r}"
                     work.mkdir()
@@ -335,8 +390,10 @@ def main() -> None:
         report["raw_loopback_median_mb_s"] = raw
         for entry in report["topologies"].values():
             if not has_reference:
-                entry["reference"] = (f"not run: PyPI shardcast 0.3.2 not found under {args.reference} or no "
-                                      "wget; the issue quotes 4.4-7.4 s for 1 client")
+                entry["reference"] = (
+                    f"not run: PyPI shardcast 0.3.2 not found under {args.reference} or no "
+                    "wget; the issue quotes 4.4-7.4 s for 1 client"
+                )
             summarize(entry, raw)
     finally:
         procs.kill_all()

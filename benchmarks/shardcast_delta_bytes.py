@@ -48,12 +48,20 @@ def tensor_shapes(layers: int, c: dict = QWEN_0_5B) -> list[tuple[str, tuple[int
     shapes = [("model.embed_tokens.weight", (c["vocab"], h))]
     for n in range(layers):
         p = f"model.layers.{n}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-                   (p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
-                   (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
-                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
-                   (p + "self_attn.o_proj.weight", (h, h)), (p + "mlp.gate_proj.weight", (i, h)),
-                   (p + "mlp.up_proj.weight", (i, h)), (p + "mlp.down_proj.weight", (h, i))]
+        shapes += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (h, h)),
+            (p + "self_attn.q_proj.bias", (h,)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.k_proj.bias", (kv,)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.bias", (kv,)),
+            (p + "self_attn.o_proj.weight", (h, h)),
+            (p + "mlp.gate_proj.weight", (i, h)),
+            (p + "mlp.up_proj.weight", (i, h)),
+            (p + "mlp.down_proj.weight", (h, i)),
+        ]
     return shapes + [("model.norm.weight", (h,))]
 
 
@@ -74,8 +82,9 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def synthetic_versions(out: Path, versions: int, layers: int, lr: float, seed: int,
-                       config: dict = QWEN_0_5B) -> list[Path]:
+def synthetic_versions(
+    out: Path, versions: int, layers: int, lr: float, seed: int, config: dict = QWEN_0_5B
+) -> list[Path]:
     """Write v000000..v{versions} as one bf16 safetensors file each; returns their directories."""
     b1, b2, eps, wd = 0.9, 0.99, 1e-8, 0.01
     shapes = tensor_shapes(layers, config)
@@ -102,7 +111,7 @@ def synthetic_versions(out: Path, versions: int, layers: int, lr: float, seed: i
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
             del g
-            step = (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps) + wd * w
+            step = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + wd * w
             w -= lr * step
             del step
             files[t].write(bf16_bits(w).tobytes())
@@ -173,10 +182,15 @@ def measure(dirs: list[Path], work: Path, compare: bool) -> list[dict]:
         sizes = {e["name"]: e["size"] for e in manifest["files"]}
         used = [d for d in deltas if d["size"] <= delta.MAX_RATIO * sizes[d["file"]]]
         sent = full - sum(sizes[d["file"]] for d in used) + sum(d["size"] for d in used)
-        row = {"version": v, "full_bytes": full, "weights_bytes": sum(weights.values()),
-               "xor_zstd_delta_bytes": sum(d["size"] for d in deltas if d["file"] in weights),
-               "bytes_sent_with_deltas": sent, "ratio_full_over_sent": round(full / sent, 1),
-               "encode_s": round(encode_s, 2)}
+        row = {
+            "version": v,
+            "full_bytes": full,
+            "weights_bytes": sum(weights.values()),
+            "xor_zstd_delta_bytes": sum(d["size"] for d in deltas if d["file"] in weights),
+            "bytes_sent_with_deltas": sent,
+            "ratio_full_over_sent": round(full / sent, 1),
+            "encode_s": round(encode_s, 2),
+        }
         if compare:
             alt = {"xor_planes_zstd": 0, "index_value_zstd": 0, "changed_values": 0, "values": 0}
             for name in weights:
@@ -210,17 +224,32 @@ def main() -> None:
         shutil.rmtree(args.out, ignore_errors=True)
         dirs = synthetic_versions(args.out, args.versions, args.layers, args.lr, args.seed)
         params = sum(int(np.prod(s)) for _, s in tensor_shapes(args.layers))
-        source = {"synthetic": "Qwen2.5-0.5B-shaped random weights, AdamW on random gradients",
-                  "parameters": params, "layers": args.layers, "lr": args.lr}
+        source = {
+            "synthetic": "Qwen2.5-0.5B-shaped random weights, AdamW on random gradients",
+            "parameters": params,
+            "layers": args.layers,
+            "lr": args.lr,
+        }
     work = args.out / "work"
     rows = measure(dirs, work, not args.no_compare)
     shutil.rmtree(work, ignore_errors=True)
     if not args.exports and not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)
     ratios = [r["ratio_full_over_sent"] for r in rows]
-    print(json.dumps({"source": source, "versions": rows, "min_ratio": min(ratios), "max_ratio": max(ratios),
-                      "seconds": round(time.monotonic() - t0, 1), "machine": platform.node(),
-                      "cpus": os.cpu_count()}, indent=1))
+    print(
+        json.dumps(
+            {
+                "source": source,
+                "versions": rows,
+                "min_ratio": min(ratios),
+                "max_ratio": max(ratios),
+                "seconds": round(time.monotonic() - t0, 1),
+                "machine": platform.node(),
+                "cpus": os.cpu_count(),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ import os
 import platform
 import random
 import select
-import signal
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -95,8 +95,9 @@ class Network:
             subprocess.run(["ip", "netns", "del", f"{PREFIX}-{name}"], capture_output=True)
 
 
-def emulate(fds: dict[str, int], ips: dict[str, str], rate_bps: float, one_way_s: float, loss: float,
-            stats_path: str) -> None:
+def emulate(
+    fds: dict[str, int], ips: dict[str, str], rate_bps: float, one_way_s: float, loss: float, stats_path: str
+) -> None:
     """The network: every packet through its source's uplink and its destination's downlink (see the module
     docstring), until killed; counts written to `stats_path` every second."""
     rng = random.Random(0)
@@ -197,16 +198,23 @@ def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str
 def run_once(net: Network, versions: list[Path], clients: list[str], work: Path, with_deltas: bool) -> dict:
     cli = [PY, "-m", "intellect", "shardcast"]
     # no orchestrator here: relays mirror what the origin offers (pinning is tested elsewhere)
-    env = {**os.environ, "INTELLECT_RUN__LOG_LEVEL": "WARNING", "PYTHONPATH": str(REPO),
-           "INTELLECT_SHARDCAST__PIN_MANIFESTS": "false"}
+    env = {
+        **os.environ,
+        "INTELLECT_RUN__LOG_LEVEL": "WARNING",
+        "PYTHONPATH": str(REPO),
+        "INTELLECT_SHARDCAST__PIN_MANIFESTS": "false",
+    }
     procs: list[subprocess.Popen] = []
     logs = []
 
     def start(node: str, argv: list[str]) -> subprocess.Popen:
         log = open(work / f"{node}.log", "wb")
         logs.append(log)
-        procs.append(subprocess.Popen([*net.exec(node), *cli, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                      stderr=log, text=True))
+        procs.append(
+            subprocess.Popen(
+                [*net.exec(node), *cli, *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        )
         return procs[-1]
 
     try:
@@ -220,15 +228,44 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
         for r in ("relay0", "relay1"):
             copy_version(versions[0], work / r)
             (work / r / "v000000" / ".synced").write_text("1\n")
-            relay = start(r, ["relay", "--upstream", f"http://{net.ip['origin']}:8100", "--dir", str(work / r),
-                              "--host", net.ip[r], "--port", "8101", "--keep", "3"])
+            relay = start(
+                r,
+                [
+                    "relay",
+                    "--upstream",
+                    f"http://{net.ip['origin']}:8100",
+                    "--dir",
+                    str(work / r),
+                    "--host",
+                    net.ip[r],
+                    "--port",
+                    "8101",
+                    "--keep",
+                    "3",
+                ],
+            )
             wait_line(relay, "serving")
             relay_urls.append(f"http://{net.ip[r]}:8101")
         fetchers = []
         for c in clients:
             copy_version(versions[0], work / c)
-            fetchers.append(start(c, ["fetch", "--servers", ",".join(relay_urls), "--version", "1", "--wait", "900",
-                                      "--out", str(work / c), "--json"]))
+            fetchers.append(
+                start(
+                    c,
+                    [
+                        "fetch",
+                        "--servers",
+                        ",".join(relay_urls),
+                        "--version",
+                        "1",
+                        "--wait",
+                        "900",
+                        "--out",
+                        str(work / c),
+                        "--json",
+                    ],
+                )
+            )
         time.sleep(3.0)  # every client is up and waiting
         t0 = time.monotonic()
         os.rename(staging, origin_dir / "v000001")
@@ -244,11 +281,13 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
         for c in clients:
             for entry in expected:
                 assert sha256(work / c / "v000001" / entry["name"]) == entry["sha256"], (c, entry["name"])
-        return {"stable_to_last_client_s": round(max(ends) - t0, 2),
-                "per_client_received_bytes": [r["received_bytes"] for r in results],
-                "per_client_rebuilt_files": [r.get("rebuilt_files", 0) for r in results],
-                "per_client_fetch_s": [r["seconds"] for r in results],  # its own download, after the wait
-                "version_bytes": sum(e["size"] for e in expected)}
+        return {
+            "stable_to_last_client_s": round(max(ends) - t0, 2),
+            "per_client_received_bytes": [r["received_bytes"] for r in results],
+            "per_client_rebuilt_files": [r.get("rebuilt_files", 0) for r in results],
+            "per_client_fetch_s": [r["seconds"] for r in results],  # its own download, after the wait
+            "version_bytes": sum(e["size"] for e in expected),
+        }
     finally:
         for p in procs:
             if p.poll() is None:
@@ -273,19 +312,32 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="shardcast-wan-", dir=args.workdir))
     clients = [f"client{i}" for i in range(args.clients)]
     net = Network(["origin", "relay0", "relay1", *clients])
-    report: dict = {"machine": platform.node(), "cpus": os.cpu_count(), "clients": args.clients,
-                    "model": {**SMALL_MODEL, "layers": args.layers, "lr": 3e-7}, "queue_s": QUEUE_S, "profiles": {}}
+    report: dict = {
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "clients": args.clients,
+        "model": {**SMALL_MODEL, "layers": args.layers, "lr": 3e-7},
+        "queue_s": QUEUE_S,
+        "profiles": {},
+    }
     try:
         versions = synthetic_versions(root / "versions", 1, args.layers, 3e-7, 0, SMALL_MODEL)
         for name in args.profiles.split(","):
             profile = PROFILES[name]
             stats_path = root / f"net-{name}.json"
             ctx = multiprocessing.get_context("fork")
-            emulator = ctx.Process(target=emulate, args=(net.fds, net.ip, profile["rate_bps"], profile["one_way_s"],
-                                                         profile["loss"], str(stats_path)), daemon=True)
+            emulator = ctx.Process(
+                target=emulate,
+                args=(net.fds, net.ip, profile["rate_bps"], profile["one_way_s"], profile["loss"], str(stats_path)),
+                daemon=True,
+            )
             emulator.start()
-            entry = report["profiles"][name] = {**profile, "rtt_ms": round(4 * profile["one_way_s"] * 1000),
-                                                "full": [], "deltas": []}
+            entry = report["profiles"][name] = {
+                **profile,
+                "rtt_ms": round(4 * profile["one_way_s"] * 1000),
+                "full": [],
+                "deltas": [],
+            }
             try:
                 for r in range(args.repeat):
                     for kind in ("full", "deltas"):

@@ -49,9 +49,23 @@ def _reference(path: Path, install: bool):
     """The reference `toploc` module imported from `path` (installed there first if allowed), or why not."""
     if install and not (path / "toploc").is_dir():
         print(f"installing toploc 0.1.6 into {path} ...", file=sys.stderr)
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps",
-                               "--no-binary", "toploc", "--target", str(path), "toploc==0.1.6"],
-                              stdout=sys.stderr, stderr=sys.stderr)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--no-build-isolation",
+                "--no-deps",
+                "--no-binary",
+                "toploc",
+                "--target",
+                str(path),
+                "toploc==0.1.6",
+            ],
+            stdout=sys.stderr,
+            stderr=sys.stderr,
+        )
         if done.returncode != 0:
             return None, f"pip install failed with status {done.returncode}"
     sys.path.insert(0, str(path))
@@ -76,8 +90,14 @@ def codec(args) -> dict:
     build_proofs(bits[:1], args.chunk, args.topk)  # the first call builds the inverse table
     proofs = build_proofs(bits, args.chunk, args.topk)
     checks = verify_proofs(bits_perturbed, proofs, args.chunk, args.topk)
-    result = {"hidden": args.hidden, "rows": args.rows, "chunk": args.chunk, "topk": args.topk,
-              "chunks": n_chunks, "accepts_perturbed": Thresholds().accepts(checks)}
+    result = {
+        "hidden": args.hidden,
+        "rows": args.rows,
+        "chunk": args.chunk,
+        "topk": args.topk,
+        "chunks": n_chunks,
+        "accepts_perturbed": Thresholds().accepts(checks),
+    }
     toploc, why = _reference(Path(args.reference_path), not args.no_install)
     if toploc is None:
         result["reference"] = f"not measured ({why})"
@@ -97,8 +117,9 @@ def codec(args) -> dict:
     }
     if toploc is not None:
         cases["reference_build"] = lambda: toploc.build_proofs_bytes(states, args.chunk, args.topk, skip_prefill=True)
-        cases["reference_verify"] = lambda: toploc.verify_proofs_bytes(perturbed, ref_proofs, args.chunk, args.topk,
-                                                                       skip_prefill=True)
+        cases["reference_verify"] = lambda: toploc.verify_proofs_bytes(
+            perturbed, ref_proofs, args.chunk, args.topk, skip_prefill=True
+        )
     for threads in (1, 2):
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {name: [] for name in cases}
@@ -156,14 +177,28 @@ def generation(args) -> dict:
     from intellect.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "model", hidden=args.gen_hidden, layers=args.gen_layers,
-                                    heads=args.gen_hidden // 64, kv_heads=args.gen_hidden // 128)
-        llm = LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, seed=0, enable_chunked_prefill=False,
-                  max_model_len=64 + args.max_tokens, logprobs_mode="processed_logprobs")
+        model_dir = make_tiny_model(
+            Path(tmp) / "model",
+            hidden=args.gen_hidden,
+            layers=args.gen_layers,
+            heads=args.gen_hidden // 64,
+            kv_heads=args.gen_hidden // 128,
+        )
+        llm = LLM(
+            model=str(model_dir),
+            dtype="bfloat16",
+            enforce_eager=True,
+            seed=0,
+            enable_chunked_prefill=False,
+            max_model_len=64 + args.max_tokens,
+            logprobs_mode="processed_logprobs",
+        )
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, 500, int(rng.integers(8, 64))).tolist() for _ in range(args.requests)]
-        params = [SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, logprobs=0)
-                  for i in range(args.requests)]
+        params = [
+            SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=i, logprobs=0)
+            for i in range(args.requests)
+        ]
         token_prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         llm.generate(token_prompts[:4], params[:4], use_tqdm=False)  # warm-up
         hook = _Timed(capture_module._Recorder.__call__)
@@ -171,7 +206,7 @@ def generation(args) -> dict:
         rounds = []
         for round_ in range(args.gen_repeat):  # the order alternates, so that drift hits both alike
             row = {}
-            for mode in (("off", "on") if round_ % 2 == 0 else ("on", "off")):
+            for mode in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
                 if mode == "off":
                     start = time.perf_counter()
                     plain = llm.generate(token_prompts, params, use_tqdm=False)
@@ -198,14 +233,16 @@ def generation(args) -> dict:
 
     return {
         "model": {"hidden": args.gen_hidden, "layers": args.gen_layers, "dtype": "bfloat16"},
-        "requests": args.requests, "tokens": tokens, "same_tokens_with_capture": same,
+        "requests": args.requests,
+        "tokens": tokens,
+        "same_tokens_with_capture": same,
         "tokens_per_s_off": tokens / median("off"),
         "tokens_per_s_capture_and_proofs": tokens / median("on"),
         "capture_cost_pct": 100 * statistics.median(r["capture"] / r["off"] for r in rounds),
-        "capture_and_proofs_cost_pct": 100 * statistics.median((r["capture"] + r["proofs"]) / r["off"]
-                                                               for r in rounds),
+        "capture_and_proofs_cost_pct": 100 * statistics.median((r["capture"] + r["proofs"]) / r["off"] for r in rounds),
         "wall_overhead_pct_median_of_rounds": 100 * (statistics.median(r["on"] / r["off"] for r in rounds) - 1),
-        "capture_s_per_run": median("capture"), "proof_build_s_per_run": median("proofs"),
+        "capture_s_per_run": median("capture"),
+        "proof_build_s_per_run": median("proofs"),
         "generate_s_per_run": median("off"),
     }
 
@@ -217,8 +254,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=32, help="codec: rows per proof")
     parser.add_argument("--topk", type=int, default=128, help="codec: entries committed per chunk")
     parser.add_argument("--repeat", type=int, default=21, help="codec: interleaved timed rounds (medians reported)")
-    parser.add_argument("--reference-path", default=str(DEFAULT_REFERENCE),
-                        help="directory holding (or to receive) a `toploc` 0.1.6 install")
+    parser.add_argument(
+        "--reference-path",
+        default=str(DEFAULT_REFERENCE),
+        help="directory holding (or to receive) a `toploc` 0.1.6 install",
+    )
     parser.add_argument("--no-install", action="store_true", help="do not pip-install a missing reference")
     parser.add_argument("--skip-vllm", action="store_true", help="codec figures only")
     parser.add_argument("--requests", type=int, default=64, help="vLLM: concurrent requests")

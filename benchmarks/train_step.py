@@ -48,11 +48,21 @@ PROMPT_LEN = 64
 
 
 def hf_config(args) -> dict:
-    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": args.vocab,
-            "hidden_size": args.hidden, "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads, "tie_word_embeddings": False,
-            "rms_norm_eps": 1e-6, "max_position_embeddings": max(args.seq, 2048), "rope_theta": 10000.0,
-            "torch_dtype": "float32"}
+    return {
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": max(args.seq, 2048),
+        "rope_theta": 10000.0,
+        "torch_dtype": "float32",
+    }
 
 
 def make_batch(args) -> dict[str, np.ndarray]:
@@ -111,17 +121,22 @@ def worker_jax(args) -> None:
     from jax_trainer.train_step import GRPOTrainer
 
     compile_s = []
-    events = {"/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
-              "/jax/core/compile/backend_compile_duration"}
+    events = {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    }
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, secs, **kw: compile_s.append(secs) if event in events else None)
+        lambda event, secs, **kw: compile_s.append(secs) if event in events else None
+    )
     box = {}
 
     def setup():
         mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
         model = load_hf(args.model_dir, mesh=mesh, verify=False)
-        optim = OptimConfig(lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS,
-                              grad_clip=GRAD_CLIP, warmup_steps=0)
+        optim = OptimConfig(
+            lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP, warmup_steps=0
+        )
         trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference"), optim)
         box["trainer"], box["state"] = trainer, trainer.init_state(nnx.split(model)[1])
         box["batch"] = trainer.device_batch(_packed(make_batch(args)))
@@ -130,9 +145,14 @@ def worker_jax(args) -> None:
         box["state"], metrics = trainer.step(box["state"], box["batch"])
         jax.block_until_ready(box["state"])
         first = time.perf_counter() - t0
-        return {"compile_s": sum(compile_s), "first_step_s": first, "loss": float(metrics["loss"]),
-                "grad_norm": float(metrics["grad_norm"]), "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
-                "retain_freed_memory": retained}
+        return {
+            "compile_s": sum(compile_s),
+            "first_step_s": first,
+            "loss": float(metrics["loss"]),
+            "grad_norm": float(metrics["grad_norm"]),
+            "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
+            "retain_freed_memory": retained,
+        }
 
     def step():
         box["state"], metrics = box["trainer"].step(box["state"], box["batch"])
@@ -187,8 +207,13 @@ def worker_torch(args) -> None:
         box["batch"]["tokens"] = box["batch"]["tokens"].long()
         t0 = time.perf_counter()
         loss, norm = run_step()
-        return {"first_step_s": time.perf_counter() - t0, "loss": loss, "grad_norm": norm,
-                "attn_implementation": model.config._attn_implementation, "threads": torch.get_num_threads()}
+        return {
+            "first_step_s": time.perf_counter() - t0,
+            "loss": loss,
+            "grad_norm": norm,
+            "attn_implementation": model.config._attn_implementation,
+            "threads": torch.get_num_threads(),
+        }
 
     _serve(setup, run_step)
 
@@ -228,8 +253,12 @@ class Worker:
     def __init__(self, kind: str, args, argv: list[str]):
         self.kind = kind
         self.faults: list[float] = []
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", kind, "--model-dir", args.model_dir,
-                                      *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", kind, "--model-dir", args.model_dir, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.ready = self._read()
 
     def _read(self) -> dict:
@@ -254,8 +283,11 @@ class Worker:
 
 
 def _stats(values: list[float], digits: int = 1) -> dict:
-    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
-            "max": round(max(values), digits)}
+    return {
+        "median": round(statistics.median(values), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
+    }
 
 
 def main() -> None:
@@ -272,11 +304,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side per round (after one warm step)")
     ap.add_argument("--peak-n", type=int, default=2048, help="the peak matmul is [n, n] @ [n, n] float32")
     ap.add_argument("--peak-reps", type=int, default=10, help="peak matmuls per round")
-    ap.add_argument("--no-xla-flags", dest="xla_flags", action="store_false",
-                    help="do not apply jax_trainer.xla_flags (to measure what they bring)")
-    ap.add_argument("--no-retain-memory", dest="retain_memory", action="store_false",
-                    help="leave glibc's malloc as it is (jax_trainer.host.retain_freed_memory is what "
-                         "`intellect train` does by default, trainer.retain_host_memory)")
+    ap.add_argument(
+        "--no-xla-flags",
+        dest="xla_flags",
+        action="store_false",
+        help="do not apply jax_trainer.xla_flags (to measure what they bring)",
+    )
+    ap.add_argument(
+        "--no-retain-memory",
+        dest="retain_memory",
+        action="store_false",
+        help="leave glibc's malloc as it is (jax_trainer.host.retain_freed_memory is what "
+        "`intellect train` does by default, trainer.retain_host_memory)",
+    )
     ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -287,8 +327,9 @@ def main() -> None:
     argv = [a for a in sys.argv[1:]]
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
         args.model_dir = str(Path(tmp) / "model")
-        subprocess.run([sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv],
-                       check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv], check=True
+        )
         workers = {k: Worker(k, args, argv) for k in ("jax", "torch", "peak")}
         times = {k: [] for k in workers}
         for r in range(args.rounds):
@@ -309,35 +350,50 @@ def main() -> None:
     torch_gflops = [t * fpt / 1e9 for t in tok_s["torch"]]
     ratio = [j / t for j, t in zip(tok_s["jax"], tok_s["torch"])]
     util = [g / p for g, p in zip(jax_gflops, peak)]
-    print(json.dumps({
-        "benchmark": "train_step",
-        "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")},
-        "seq": args.seq, "batch": args.batch, "dtype": "float32", "tokens_per_step": tokens,
-        "rounds": args.rounds, "steps_per_round": args.steps,
-        "jax_tokens_per_s": _stats(tok_s["jax"]),
-        "torch_tokens_per_s": _stats(tok_s["torch"]),
-        "ratio": round(statistics.median(ratio), 3),
-        "ratio_per_round": [round(x, 3) for x in ratio],
-        "flops_per_token": fpt,
-        "flops_per_token_full_attention": flops_per_token(args, causal=False),
-        "jax_gflops": _stats(jax_gflops),
-        "torch_gflops": _stats(torch_gflops),
-        "peak_matmul_gflops": _stats(peak),
-        "utilisation": round(statistics.median(util), 3),
-        "utilisation_per_round": [round(x, 3) for x in util],
-        "torch_utilisation": round(statistics.median(torch_gflops) / statistics.median(peak), 3),
-        "jax_compile_s": round(ready["jax"]["compile_s"], 2),
-        "jax_first_step_s": round(ready["jax"]["first_step_s"], 2),
-        "torch_first_step_s": round(ready["torch"]["first_step_s"], 2),
-        "peak_rss_mb": {k: round(rss[k]) for k in ("jax", "torch", "peak")},
-        "page_faults_per_step": faults,
-        "jax_retains_freed_memory": ready["jax"]["retain_freed_memory"],
-        "first_step": {"jax_loss": ready["jax"]["loss"], "torch_loss": ready["torch"]["loss"],
-                       "jax_grad_norm": ready["jax"]["grad_norm"], "torch_grad_norm": ready["torch"]["grad_norm"]},
-        "xla_flags": ready["jax"]["xla_flags"],
-        "torch_threads": ready["torch"]["threads"],
-        "torch_attn_implementation": ready["torch"]["attn_implementation"],
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_step",
+                "model": {
+                    k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")
+                },
+                "seq": args.seq,
+                "batch": args.batch,
+                "dtype": "float32",
+                "tokens_per_step": tokens,
+                "rounds": args.rounds,
+                "steps_per_round": args.steps,
+                "jax_tokens_per_s": _stats(tok_s["jax"]),
+                "torch_tokens_per_s": _stats(tok_s["torch"]),
+                "ratio": round(statistics.median(ratio), 3),
+                "ratio_per_round": [round(x, 3) for x in ratio],
+                "flops_per_token": fpt,
+                "flops_per_token_full_attention": flops_per_token(args, causal=False),
+                "jax_gflops": _stats(jax_gflops),
+                "torch_gflops": _stats(torch_gflops),
+                "peak_matmul_gflops": _stats(peak),
+                "utilisation": round(statistics.median(util), 3),
+                "utilisation_per_round": [round(x, 3) for x in util],
+                "torch_utilisation": round(statistics.median(torch_gflops) / statistics.median(peak), 3),
+                "jax_compile_s": round(ready["jax"]["compile_s"], 2),
+                "jax_first_step_s": round(ready["jax"]["first_step_s"], 2),
+                "torch_first_step_s": round(ready["torch"]["first_step_s"], 2),
+                "peak_rss_mb": {k: round(rss[k]) for k in ("jax", "torch", "peak")},
+                "page_faults_per_step": faults,
+                "jax_retains_freed_memory": ready["jax"]["retain_freed_memory"],
+                "first_step": {
+                    "jax_loss": ready["jax"]["loss"],
+                    "torch_loss": ready["torch"]["loss"],
+                    "jax_grad_norm": ready["jax"]["grad_norm"],
+                    "torch_grad_norm": ready["torch"]["grad_norm"],
+                },
+                "xla_flags": ready["jax"]["xla_flags"],
+                "torch_threads": ready["torch"]["threads"],
+                "torch_attn_implementation": ready["torch"]["attn_implementation"],
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

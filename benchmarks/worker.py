@@ -120,8 +120,9 @@ def _best_median(values: list[float]) -> dict[str, float]:
     return {"best": round(max(values), 2), "median": round(statistics.median(values), 2)}
 
 
-def run_rounds(generate, validate, timed: dict[str, _Timed], timed_gen: dict[str, _Timed], args,
-               progress: Progress, label: str):
+def run_rounds(
+    generate, validate, timed: dict[str, _Timed], timed_gen: dict[str, _Timed], args, progress: Progress, label: str
+):
     """Warm up, then `args.repeat` rounds of proofs on/off (order alternating) and validation of the on batch.
 
     Per generation, the proofs' own work is also timed: the hook's calls plus everything `Engine.generate`
@@ -133,7 +134,7 @@ def run_rounds(generate, validate, timed: dict[str, _Timed], timed_gen: dict[str
     task = progress.add_task(label, total=args.repeat)
     for k in range(args.repeat):
         row = {}
-        for proofs in ((True, False) if k % 2 == 0 else (False, True)):
+        for proofs in (True, False) if k % 2 == 0 else (False, True):
             for part in timed_gen.values():
                 part.seconds = 0.0
             completions, seconds = generate(k, proofs)
@@ -178,9 +179,13 @@ def _install_bench_samplers(worker) -> dict:
     runner = worker.model_runner
     if not hasattr(runner, "bench_samplers"):
         if not isinstance(runner.sampler, ReplayableSampler):
-            raise RuntimeError("the engine was expected to start with the replayable sampler ([worker] sampler default)")
-        runner.bench_samplers = {"replayable": runner.sampler,
-                                 "vllm": Sampler(logprobs_mode=runner.sampler.logprobs_mode)}
+            raise RuntimeError(
+                "the engine was expected to start with the replayable sampler ([worker] sampler default)"
+            )
+        runner.bench_samplers = {
+            "replayable": runner.sampler,
+            "vllm": Sampler(logprobs_mode=runner.sampler.logprobs_mode),
+        }
     return runner.bench_samplers
 
 
@@ -203,12 +208,17 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
     check = _Timed(engine._check_replayed)
     engine._check_replayed = check
     worker_config = engine.config
-    timed = {"prefill": validate_declared.prefill_timer, "replay_check": _Timed(checks.check_replay_batch),
-             "near_tie_budget": _Timed(checks.check_near_tie_budget)}
+    timed = {
+        "prefill": validate_declared.prefill_timer,
+        "replay_check": _Timed(checks.check_replay_batch),
+        "near_tie_budget": _Timed(checks.check_near_tie_budget),
+    }
     originals = checks.check_replay_batch, checks.check_near_tie_budget
     checks.check_replay_batch, checks.check_near_tie_budget = timed["replay_check"], timed["near_tie_budget"]
-    declared_by = {"replay": dataclasses.replace(declared, sampler="replayable"),
-                   "no_replay": dataclasses.replace(declared, sampler="vllm")}
+    declared_by = {
+        "replay": dataclasses.replace(declared, sampler="replayable"),
+        "no_replay": dataclasses.replace(declared, sampler="vllm"),
+    }
 
     def use(name: str) -> None:
         engine.llm.collective_rpc(_use_sampler, args=(name,))
@@ -224,7 +234,7 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
         task = progress.add_task(f"{label} samplers", total=args.repeat)
         for k in range(args.repeat):
             row: dict = {}
-            for name in (("replayable", "vllm") if k % 2 == 0 else ("vllm", "replayable")):
+            for name in ("replayable", "vllm") if k % 2 == 0 else ("vllm", "replayable"):
                 use(name)
                 work[name].seconds, check.seconds = 0.0, 0.0
                 completions, seconds = generate(k, True)
@@ -232,7 +242,7 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
                 row[f"work_{name}"] = work[name].seconds + (check.seconds if name == "replayable" else 0.0)
                 if name == "replayable":
                     batch = completions
-            for side in (("replay", "no_replay") if k % 2 == 0 else ("no_replay", "replay")):
+            for side in ("replay", "no_replay") if k % 2 == 0 else ("no_replay", "replay"):
                 for t in timed.values():
                     t.seconds = 0.0
                 verdict, row[f"validate_{side}"] = validate_declared(k, batch, declared_by[side])
@@ -261,28 +271,40 @@ def run_sampler_rounds(engine, generate, validate_declared, declared, args, prog
     return {
         "rounds": args.repeat,
         "worker": {
-            "replayable": {"tokens_per_s": _best_median(rep_tps),
-                           "sampler_work_s": round(statistics.median(r["work_replayable"] for r in rows), 4)},
-            "vllm": {"tokens_per_s": _best_median(vllm_tps),
-                     "sampler_work_s": round(statistics.median(r["work_vllm"] for r in rows), 4)},
+            "replayable": {
+                "tokens_per_s": _best_median(rep_tps),
+                "sampler_work_s": round(statistics.median(r["work_replayable"] for r in rows), 4),
+            },
+            "vllm": {
+                "tokens_per_s": _best_median(vllm_tps),
+                "sampler_work_s": round(statistics.median(r["work_vllm"] for r in rows), 4),
+            },
             "seconds_per_round": {name: [round(r[name], 3) for r in rows] for name in ("replayable", "vllm")},
-            "replayable_over_vllm": {"median_of_rounds": round(ratio, 3),
-                                     "of_best": round(max(rep_tps) / max(vllm_tps), 3),
-                                     "from_sampler_work": round(from_work, 3), "target": 0.95,
-                                     "meets_target": ratio >= 0.95},
+            "replayable_over_vllm": {
+                "median_of_rounds": round(ratio, 3),
+                "of_best": round(max(rep_tps) / max(vllm_tps), 3),
+                "from_sampler_work": round(from_work, 3),
+                "target": 0.95,
+                "meets_target": ratio >= 0.95,
+            },
         },
         "validator": {
-            "s_per_sample": {side: round(statistics.median(r[f"validate_{side}"] for r in rows) / n, 5)
-                             for side in ("replay", "no_replay")},
+            "s_per_sample": {
+                side: round(statistics.median(r[f"validate_{side}"] for r in rows) / n, 5)
+                for side in ("replay", "no_replay")
+            },
             "prefill_s_per_sample": round(statistics.median(r["prefill_replay"] for r in rows) / n, 5),
             "replay_check_s_per_sample": round(statistics.median(replay_work) / n, 5),
-            "replay_over_prefill": {"median_of_rounds": round(over_prefill, 4),
-                                    "max_of_rounds": round(max(w / r["prefill_replay"]
-                                                               for w, r in zip(replay_work, rows)), 4),
-                                    "target": 0.10, "meets_target": over_prefill <= 0.10},
+            "replay_over_prefill": {
+                "median_of_rounds": round(over_prefill, 4),
+                "max_of_rounds": round(max(w / r["prefill_replay"] for w, r in zip(replay_work, rows)), 4),
+                "target": 0.10,
+                "meets_target": over_prefill <= 0.10,
+            },
             "wall_clock_added_over_prefill": round(wall_added, 4),
-            "batches_accepted": {side: args.repeat - sum(x["declared"] == side for x in rejected)
-                                 for side in ("replay", "no_replay")},
+            "batches_accepted": {
+                side: args.repeat - sum(x["declared"] == side for x in rejected) for side in ("replay", "no_replay")
+            },
             "rejected": rejected,
         },
     }
@@ -309,17 +331,28 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
             _scale_logits(model_dir, logit_scale)
     config = json.loads((model_dir / "config.json").read_text())
     rng = np.random.default_rng(0)
-    pool = [rng.integers(3, min(config["vocab_size"], 512), int(rng.integers(16, 65))).tolist()
-            for _ in range(args.pool)]
+    pool = [
+        rng.integers(3, min(config["vocab_size"], 512), int(rng.integers(16, 65))).tolist() for _ in range(args.pool)
+    ]
     max_model_len = 64 + args.max_tokens
     stops = stop_token_ids(model_dir)
     engine = Engine(model_dir, 0, WorkerConfig(dtype=dtype, verify_swaps=0), max_model_len)
     prefill = Prefill(model_dir, dtype=dtype)
-    timed = {"prefill": _Timed(prefill.run), "computation_check": _Timed(checks.check_computation_batch),
-             "sampling_check": _Timed(checks.check_sampling_batch), "replay_check": _Timed(checks.check_replay_batch)}
+    timed = {
+        "prefill": _Timed(prefill.run),
+        "computation_check": _Timed(checks.check_computation_batch),
+        "sampling_check": _Timed(checks.check_sampling_batch),
+        "replay_check": _Timed(checks.check_replay_batch),
+    }
     prefill.run = timed["prefill"]
-    declared = Declared(temperature=TEMPERATURE, top_p=args.top_p, max_tokens=args.max_tokens,
-                        stop_token_ids=stops, max_model_len=max_model_len, dtype=dtype)
+    declared = Declared(
+        temperature=TEMPERATURE,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        stop_token_ids=stops,
+        max_model_len=max_model_len,
+        dtype=dtype,
+    )
     n = args.prompts * args.samples
 
     def batch(k: int) -> tuple[list[list[int]], list[int], list[int]]:
@@ -330,29 +363,60 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
         prompts, seeds, _ = batch(k)
         prompts, seeds = prompts[:count], seeds[:count]
         start = time.perf_counter()
-        out = engine.generate(prompts, seeds, temperature=TEMPERATURE, top_p=args.top_p, max_tokens=args.max_tokens,
-                              proofs=proofs)
+        out = engine.generate(
+            prompts, seeds, temperature=TEMPERATURE, top_p=args.top_p, max_tokens=args.max_tokens, proofs=proofs
+        )
         return out, time.perf_counter() - start
 
     def validate(k: int, completions, declared: Declared = declared) -> tuple[object, float]:
         _, seeds, tasks = batch(k)
         if len(completions) < n:  # the warm-up's partial batch: no assignment to hold it to
-            samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
-                              finish=c.finish, proofs=b"".join(c.proofs)) for c in completions]
+            samples = [
+                Sample(
+                    prompt_tokens=c.prompt_tokens,
+                    completion_tokens=c.tokens,
+                    logprobs=c.logprobs,
+                    finish=c.finish,
+                    proofs=b"".join(c.proofs),
+                )
+                for c in completions
+            ]
             return validate_batch(samples, prefill, declared), 0.0
-        samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
-                          finish=c.finish, proofs=b"".join(c.proofs), seed=s, task_id=t, group_id=i // args.samples)
-                   for i, (c, s, t) in enumerate(zip(completions, seeds, tasks))]
-        assignment = AssignedWork(node_key=NODE_KEY, version=0, k=k, num_tasks=len(pool),
-                                samples_per_prompt=args.samples, prompt_tokens_of=lambda t, _target: pool[t])
+        samples = [
+            Sample(
+                prompt_tokens=c.prompt_tokens,
+                completion_tokens=c.tokens,
+                logprobs=c.logprobs,
+                finish=c.finish,
+                proofs=b"".join(c.proofs),
+                seed=s,
+                task_id=t,
+                group_id=i // args.samples,
+            )
+            for i, (c, s, t) in enumerate(zip(completions, seeds, tasks))
+        ]
+        assignment = AssignedWork(
+            node_key=NODE_KEY,
+            version=0,
+            k=k,
+            num_tasks=len(pool),
+            samples_per_prompt=args.samples,
+            prompt_tokens_of=lambda t, _target: pool[t],
+        )
         start = time.perf_counter()
         verdict = validate_batch(samples, prefill, declared, assignment)
         return verdict, time.perf_counter() - start
 
     validate.prefill_timer = timed["prefill"]
-    model = {"name": name, "hidden": config["hidden_size"], "layers": config["num_hidden_layers"],
-             "heads": config["num_attention_heads"], "vocab": config["vocab_size"], "dtype": dtype,
-             "logit_scale": logit_scale}
+    model = {
+        "name": name,
+        "hidden": config["hidden_size"],
+        "layers": config["num_hidden_layers"],
+        "heads": config["num_attention_heads"],
+        "vocab": config["vocab_size"],
+        "dtype": dtype,
+        "logit_scale": logit_scale,
+    }
     result: dict = {"model": model, "samples_per_batch": n, "max_tokens": args.max_tokens, "top_p": args.top_p}
     if "sampler" in args.parts:
         result["sampler"] = run_sampler_rounds(engine, generate, validate, declared, args, progress, f"{name} {dtype}")
@@ -364,17 +428,29 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     hook = _Timed(capture_module._Recorder.__call__)
     timed_gen = {"hook": hook, "vllm_generate": _Timed(engine.llm.generate)}
     engine.llm.generate = timed_gen["vllm_generate"]
-    originals = (checks.check_computation_batch, checks.check_sampling_batch, checks.check_replay_batch,
-                 capture_module._Recorder.__call__)
-    checks.check_computation_batch, checks.check_sampling_batch, checks.check_replay_batch = \
-        timed["computation_check"], timed["sampling_check"], timed["replay_check"]
+    originals = (
+        checks.check_computation_batch,
+        checks.check_sampling_batch,
+        checks.check_replay_batch,
+        capture_module._Recorder.__call__,
+    )
+    checks.check_computation_batch, checks.check_sampling_batch, checks.check_replay_batch = (
+        timed["computation_check"],
+        timed["sampling_check"],
+        timed["replay_check"],
+    )
     capture_module._Recorder.__call__ = lambda self, *a: hook(self, *a)
     try:
-        rows, same_tokens, rejected = run_rounds(generate, validate, timed, timed_gen, args, progress,
-                                                 f"{name} {dtype}")
+        rows, same_tokens, rejected = run_rounds(
+            generate, validate, timed, timed_gen, args, progress, f"{name} {dtype}"
+        )
     finally:
-        (checks.check_computation_batch, checks.check_sampling_batch, checks.check_replay_batch,
-         capture_module._Recorder.__call__) = originals
+        (
+            checks.check_computation_batch,
+            checks.check_sampling_batch,
+            checks.check_replay_batch,
+            capture_module._Recorder.__call__,
+        ) = originals
         del engine.llm.generate
     threads = torch.get_num_threads()
     engine.close()
@@ -387,29 +463,46 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     # the noise-robust estimate: a proofs-on run minus its proof work is the same generation as a proofs-off run
     from_work = statistics.median(1 - (r["proof_work_on"] - r["proof_work_off"]) / r["on"] for r in rows)
     return {
-        **result, "rounds": args.repeat, "torch_threads": threads,
+        **result,
+        "rounds": args.repeat,
+        "torch_threads": threads,
         "seconds_per_round": {side: [round(r[side], 3) for r in rows] for side in ("on", "off", "validate")},
         "mean_tokens_per_sample": round(statistics.mean(r["tokens_on"] for r in rows) / n, 1),
         "worker": {
-            "proofs_on": {"samples_per_s": _best_median(on_sps),
-                          "tokens_per_s": _best_median([r["tokens_on"] / r["on"] for r in rows])},
-            "proofs_off": {"samples_per_s": _best_median(off_sps),
-                           "tokens_per_s": _best_median([r["tokens_off"] / r["off"] for r in rows])},
-            "on_over_off": {"median_of_rounds": round(on_over_off, 3), "of_best": round(max(on_sps) / max(off_sps), 3),
-                            "from_proof_work": round(from_work, 3), "target": 0.95,
-                            "meets_target": on_over_off >= 0.95},
-            "proof_work_s": {"on": round(statistics.median(r["proof_work_on"] for r in rows), 4),
-                             "off": round(statistics.median(r["proof_work_off"] for r in rows), 4)},
+            "proofs_on": {
+                "samples_per_s": _best_median(on_sps),
+                "tokens_per_s": _best_median([r["tokens_on"] / r["on"] for r in rows]),
+            },
+            "proofs_off": {
+                "samples_per_s": _best_median(off_sps),
+                "tokens_per_s": _best_median([r["tokens_off"] / r["off"] for r in rows]),
+            },
+            "on_over_off": {
+                "median_of_rounds": round(on_over_off, 3),
+                "of_best": round(max(on_sps) / max(off_sps), 3),
+                "from_proof_work": round(from_work, 3),
+                "target": 0.95,
+                "meets_target": on_over_off >= 0.95,
+            },
+            "proof_work_s": {
+                "on": round(statistics.median(r["proof_work_on"] for r in rows), 4),
+                "off": round(statistics.median(r["proof_work_off"] for r in rows), 4),
+            },
             "same_tokens_on_off": same_tokens,
         },
         "validator": {
             "samples_per_s": _best_median(val_sps),
-            "validator_over_worker": {"median_of_rounds": round(val_over_worker, 2),
-                                      "of_best": round(max(val_sps) / max(on_sps), 2),
-                                      "target": 5.0, "meets_target": val_over_worker >= 5.0},
-            "share_of_validation_time": {part: round(statistics.median(r[part] / r["validate"] for r in rows), 3)
-                                         for part in timed},
-            "batches_accepted": args.repeat - len(rejected), "rejected": rejected,
+            "validator_over_worker": {
+                "median_of_rounds": round(val_over_worker, 2),
+                "of_best": round(max(val_sps) / max(on_sps), 2),
+                "target": 5.0,
+                "meets_target": val_over_worker >= 5.0,
+            },
+            "share_of_validation_time": {
+                part: round(statistics.median(r[part] / r["validate"] for r in rows), 3) for part in timed
+            },
+            "batches_accepted": args.repeat - len(rejected),
+            "rejected": rejected,
             "last_summary": rows[-1]["summary"],
         },
     }
@@ -417,18 +510,28 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="tiny:float32,tiny:bfloat16,large:float32,large:bfloat16",
-                        help=f"comma-separated MODEL:DTYPE, MODEL one of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--configs",
+        default="tiny:float32,tiny:bfloat16,large:float32,large:bfloat16",
+        help=f"comma-separated MODEL:DTYPE, MODEL one of {', '.join(MODELS)}",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="prompts per batch")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample (at most)")
     parser.add_argument("--pool", type=int, default=64, help="random-token prompts (16-64 tokens) the tasks draw from")
     parser.add_argument("--repeat", type=int, default=5, help="timed rounds per config (order alternates)")
-    parser.add_argument("--top-p", type=float, default=TOP_P,
-                        help="top-p of generation and validation (temperature 1; the demo and INTELLECT-2 use 1.0)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help="comma-separated: proofs (TOPLOC on vs off, full validation), sampler (replayable vs "
-                             "vllm sampler, validation with vs without replay)")
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=TOP_P,
+        help="top-p of generation and validation (temperature 1; the demo and INTELLECT-2 use 1.0)",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated: proofs (TOPLOC on vs off, full validation), sampler (replayable vs "
+        "vllm sampler, validation with vs without replay)",
+    )
     args = parser.parse_args()
     args.parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not args.parts or not args.parts <= set(PARTS):
@@ -437,12 +540,16 @@ def main() -> int:
     for item in args.configs.split(","):
         name, _, dtype = item.strip().partition(":")
         if name not in MODELS or dtype not in ("float32", "bfloat16"):
-            parser.error(f"--configs: {item!r} is not MODEL:DTYPE with MODEL in {sorted(MODELS)} and DTYPE "
-                         "float32 or bfloat16")
+            parser.error(
+                f"--configs: {item!r} is not MODEL:DTYPE with MODEL in {sorted(MODELS)} and DTYPE float32 or bfloat16"
+            )
         configs.append((name, dtype))
     results = []
-    with tempfile.TemporaryDirectory() as tmp, _stdout_to_stderr(), \
-            Progress(console=Console(stderr=True), transient=True) as progress:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _stdout_to_stderr(),
+        Progress(console=Console(stderr=True), transient=True) as progress,
+    ):
         for name, dtype in configs:
             results.append(bench_config(name, dtype, args, Path(tmp), progress))
     print(json.dumps({"configs": results}, indent=2))

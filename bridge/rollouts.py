@@ -43,9 +43,10 @@ Reading: `COMMIT`, then `meta.json`, then every array (declared sizes are checke
 so a corrupt or hostile batch cannot make the reader allocate more than `max_batch_bytes`, or more than a
 validator's `ReadLimits` allow: the assignment's sample count and the tokens and proof bytes it may hold;
 metadata files are read with a size bound, and a chunk may not be far larger than its array nor an array
-split into more than 4,096 chunks), then the digest, then every invariant of `check_batch`. Anything wrong raises `RolloutStoreError`, whose message starts with
-the batch (`v000003/b-17`) and the field; a batch either reads back exactly as written or not at all. The
-digest proves the batch is the one its writer committed; `read(expect_sha256=)` also proves it is the one
+split into more than 4,096 chunks), then the digest, then every invariant of `check_batch`. Anything wrong
+raises `RolloutStoreError`, whose message starts with the batch (`v000003/b-17`) and the field; a batch
+either reads back exactly as written or not at all. The digest proves the batch is the one its writer
+committed; `read(expect_sha256=)` also proves it is the one
 the validator accepted (a worker that rewrites a batch after validation can write a matching `COMMIT`).
 
 Retention: `prune(before_version)` deletes every batch of older versions, their `COMMIT`s first.
@@ -96,8 +97,20 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
 )
 FIELD_NAMES = tuple(name for name, _, _ in FIELDS)
 _DTYPE = {name: dtype for name, dtype, _ in FIELDS}
-_META_KEYS = frozenset({"schema", "batch_id", "node_key", "version", "assignment_id", "sampling", "model_dtype",
-                        "num_samples", "num_tokens", "num_proof_bytes"})
+_META_KEYS = frozenset(
+    {
+        "schema",
+        "batch_id",
+        "node_key",
+        "version",
+        "assignment_id",
+        "sampling",
+        "model_dtype",
+        "num_samples",
+        "num_tokens",
+        "num_proof_bytes",
+    }
+)
 _BATCH_ID = re.compile(BATCH_ID_PATTERN)  # used with fullmatch
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{1,256}")
 _COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
@@ -112,10 +125,14 @@ _MAX_CHUNKS = 4096  # stored chunks per array a reader accepts (this writer: one
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
 
 CODECS: dict[str, Any] = {
-    "blosc-lz4": lambda itemsize: {"name": "blosc", "configuration": {
-        "cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0}},
-    "blosc-zstd": lambda itemsize: {"name": "blosc", "configuration": {
-        "cname": "zstd", "clevel": 1, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0}},
+    "blosc-lz4": lambda itemsize: {
+        "name": "blosc",
+        "configuration": {"cname": "lz4", "clevel": 5, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0},
+    },
+    "blosc-zstd": lambda itemsize: {
+        "name": "blosc",
+        "configuration": {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "typesize": itemsize, "blocksize": 0},
+    },
     "zstd": lambda itemsize: {"name": "zstd", "configuration": {"level": 1, "checksum": False}},
     "none": None,
 }
@@ -148,8 +165,11 @@ def batch_path(version: int, batch_id: str) -> str:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise RolloutStoreError(f"v?/{batch_id!r}", "version", f"{version!r} is not a non-negative integer")
     if not isinstance(batch_id, str) or not _BATCH_ID.fullmatch(batch_id):
-        raise RolloutStoreError(f"v{int(version):06d}/{batch_id!r}", "batch_id",
-                                "must be 1-128 characters of A-Z a-z 0-9 . _ - starting with a letter or digit")
+        raise RolloutStoreError(
+            f"v{int(version):06d}/{batch_id!r}",
+            "batch_id",
+            "must be 1-128 characters of A-Z a-z 0-9 . _ - starting with a letter or digit",
+        )
     return f"v{int(version):06d}/{batch_id}"
 
 
@@ -195,27 +215,43 @@ class ReadLimits:
         if num_samples < 1 or max_tokens < 1:
             raise ValueError(f"read limits: num_samples ({num_samples}) and max_tokens ({max_tokens}) must be >= 1")
         proof_bytes = -(-max_tokens // PROOF_CHUNK_TOKENS) * PROOF_CHUNK_BYTES
-        return cls(min_samples=num_samples, max_samples=num_samples,
-                   max_tokens=None if max_model_len is None else num_samples * max_model_len,
-                   max_proof_bytes=num_samples * proof_bytes, max_sample_tokens=max_model_len)
+        return cls(
+            min_samples=num_samples,
+            max_samples=num_samples,
+            max_tokens=None if max_model_len is None else num_samples * max_model_len,
+            max_proof_bytes=num_samples * proof_bytes,
+            max_sample_tokens=max_model_len,
+        )
 
     def bound(self, length: str) -> int | None:
         """The most elements an array of `FIELDS` length kind `length` ("T", "n", "n+1", "P") may declare."""
-        return {"T": self.max_tokens, "n": self.max_samples, "n+1": None if self.max_samples is None else
-                self.max_samples + 1, "P": self.max_proof_bytes}[length]
+        return {
+            "T": self.max_tokens,
+            "n": self.max_samples,
+            "n+1": None if self.max_samples is None else self.max_samples + 1,
+            "P": self.max_proof_bytes,
+        }[length]
 
     def check_counts(self, counts: Mapping[str, int], where: str) -> None:
         """`meta.json`'s counts against the limits."""
         n = counts["num_samples"]
         if n < self.min_samples or (self.max_samples is not None and n > self.max_samples):
-            wanted = (f"exactly {self.min_samples}" if self.min_samples == self.max_samples else
-                      f"{self.min_samples} to {self.max_samples}")
+            wanted = (
+                f"exactly {self.min_samples}"
+                if self.min_samples == self.max_samples
+                else f"{self.min_samples} to {self.max_samples}"
+            )
             raise RolloutStoreError(where, "meta.num_samples", f"{n} samples; the reader expects {wanted}")
-        for key, limit, what in (("num_tokens", self.max_tokens, "tokens"),
-                                 ("num_proof_bytes", self.max_proof_bytes, "proof bytes")):
+        for key, limit, what in (
+            ("num_tokens", self.max_tokens, "tokens"),
+            ("num_proof_bytes", self.max_proof_bytes, "proof bytes"),
+        ):
             if limit is not None and counts[key] > limit:
-                raise RolloutStoreError(where, f"meta.{key}", f"declares {counts[key]} {what}, more than the "
-                                        f"{limit} that {n} samples may hold")
+                raise RolloutStoreError(
+                    where,
+                    f"meta.{key}",
+                    f"declares {counts[key]} {what}, more than the {limit} that {n} samples may hold",
+                )
 
     def check_samples(self, batch: RolloutBatch, where: str) -> None:
         """Per-sample lengths of a batch read whole (its totals were bounded before it was read)."""
@@ -224,8 +260,12 @@ class ReadLimits:
         long = np.flatnonzero(batch.lengths > self.max_sample_tokens)
         if len(long):
             i = int(long[0])
-            raise RolloutStoreError(where, "offsets", f"sample {i} has {int(batch.lengths[i])} tokens, more than "
-                                    f"the {self.max_sample_tokens} a sample may hold ({len(long)} such samples)")
+            raise RolloutStoreError(
+                where,
+                "offsets",
+                f"sample {i} has {int(batch.lengths[i])} tokens, more than "
+                f"the {self.max_sample_tokens} a sample may hold ({len(long)} such samples)",
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -247,15 +287,34 @@ class RolloutBatch:
     proof_offsets: np.ndarray
 
     @classmethod
-    def from_samples(cls, meta: BatchMeta, *, tokens: Sequence[Any], prompt_lens: Sequence[int],
-                     logprobs: Sequence[Any], task_ids: Sequence[int], group_ids: Sequence[int],
-                     seeds: Sequence[int], finish: Sequence[int], rewards: Sequence[float],
-                     proofs: Sequence[bytes], target_lens: Sequence[int] | None = None) -> RolloutBatch:
+    def from_samples(
+        cls,
+        meta: BatchMeta,
+        *,
+        tokens: Sequence[Any],
+        prompt_lens: Sequence[int],
+        logprobs: Sequence[Any],
+        task_ids: Sequence[int],
+        group_ids: Sequence[int],
+        seeds: Sequence[int],
+        finish: Sequence[int],
+        rewards: Sequence[float],
+        proofs: Sequence[bytes],
+        target_lens: Sequence[int] | None = None,
+    ) -> RolloutBatch:
         """Concatenate per-sample sequences (tokens, logprobs, proof bytes) into the flat layout."""
         where = _where(meta.version, meta.batch_id)
         n = len(tokens)
-        lists = {"prompt_lens": prompt_lens, "logprobs": logprobs, "task_ids": task_ids, "group_ids": group_ids,
-                 "seeds": seeds, "finish": finish, "rewards": rewards, "proofs": proofs}
+        lists = {
+            "prompt_lens": prompt_lens,
+            "logprobs": logprobs,
+            "task_ids": task_ids,
+            "group_ids": group_ids,
+            "seeds": seeds,
+            "finish": finish,
+            "rewards": rewards,
+            "proofs": proofs,
+        }
         for name, values in lists.items():
             if len(values) != n:
                 raise RolloutStoreError(where, name, f"{len(values)} entries for {n} samples")
@@ -265,12 +324,16 @@ class RolloutBatch:
         arrays = {
             "tokens": np.concatenate(tok) if n else np.zeros(0, np.int32),
             "offsets": np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
-            "logprobs": (np.concatenate([_cast(x, "float32", where, "logprobs") for x in logprobs]) if n
-                         else np.zeros(0, np.float32)),
+            "logprobs": (
+                np.concatenate([_cast(x, "float32", where, "logprobs") for x in logprobs])
+                if n
+                else np.zeros(0, np.float32)
+            ),
             "proofs": np.frombuffer(b"".join(bytes(p) for p in proofs), np.uint8).copy(),
             "proof_offsets": np.concatenate([[0], np.cumsum(proof_lens)]).astype(np.int64),
-            "target_lens": _cast(np.zeros(n, np.int32) if target_lens is None else target_lens, "int32", where,
-                                 "target_lens"),
+            "target_lens": _cast(
+                np.zeros(n, np.int32) if target_lens is None else target_lens, "int32", where, "target_lens"
+            ),
         }
         for name in ("prompt_lens", "task_ids", "group_ids", "seeds", "finish", "rewards"):
             arrays[name] = _cast(lists[name], _DTYPE[name], where, name)
@@ -296,13 +359,13 @@ class RolloutBatch:
         return self.lengths - self.prompt_lens
 
     def sample_tokens(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     def sample_logprobs(self, i: int) -> np.ndarray:
-        return self.logprobs[self.offsets[i]:self.offsets[i + 1]]
+        return self.logprobs[self.offsets[i] : self.offsets[i + 1]]
 
     def sample_proof(self, i: int) -> bytes:
-        return self.proofs[self.proof_offsets[i]:self.proof_offsets[i + 1]].tobytes()
+        return self.proofs[self.proof_offsets[i] : self.proof_offsets[i + 1]].tobytes()
 
 
 def _where(version: Any, batch_id: Any) -> str:
@@ -325,15 +388,24 @@ def _cast(values: Any, dtype: str, where: str, field: str) -> np.ndarray:
 
 def meta_json(meta: BatchMeta, num_samples: int, num_tokens: int, num_proof_bytes: int) -> bytes:
     """The bytes of `meta.json`: sorted keys, no spaces, ASCII (readers hash these bytes as they are stored)."""
-    doc = {"schema": SCHEMA_VERSION, "batch_id": meta.batch_id, "node_key": meta.node_key,
-           "version": int(meta.version), "assignment_id": meta.assignment_id, "sampling": dict(meta.sampling),
-           "model_dtype": meta.model_dtype, "num_samples": int(num_samples), "num_tokens": int(num_tokens),
-           "num_proof_bytes": int(num_proof_bytes)}
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "batch_id": meta.batch_id,
+        "node_key": meta.node_key,
+        "version": int(meta.version),
+        "assignment_id": meta.assignment_id,
+        "sampling": dict(meta.sampling),
+        "model_dtype": meta.model_dtype,
+        "num_samples": int(num_samples),
+        "num_tokens": int(num_tokens),
+        "num_proof_bytes": int(num_proof_bytes),
+    }
     try:
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
-        raise RolloutStoreError(_where(meta.version, meta.batch_id), "meta.json",
-                                f"meta is not JSON with finite numbers ({e})") from e
+        raise RolloutStoreError(
+            _where(meta.version, meta.batch_id), "meta.json", f"meta is not JSON with finite numbers ({e})"
+        ) from e
 
 
 def _reject_constant(name: str) -> None:
@@ -365,16 +437,24 @@ def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
     if not isinstance(doc["node_key"], str) or not _HEX_KEY.fullmatch(doc["node_key"]):
         raise RolloutStoreError(where, "meta.node_key", f"{doc['node_key']!r} is not a hex public key")
     assignment = doc["assignment_id"]
-    if isinstance(assignment, bool) or not (isinstance(assignment, int) and assignment >= 0
-                                            or isinstance(assignment, str) and 0 < len(assignment) <= 256):
-        raise RolloutStoreError(where, "meta.assignment_id", f"{assignment!r} is not a non-negative integer or "
-                                "a string of 1-256 characters")
+    if isinstance(assignment, bool) or not (
+        isinstance(assignment, int) and assignment >= 0 or isinstance(assignment, str) and 0 < len(assignment) <= 256
+    ):
+        raise RolloutStoreError(
+            where, "meta.assignment_id", f"{assignment!r} is not a non-negative integer or a string of 1-256 characters"
+        )
     if not isinstance(doc["sampling"], dict):
         raise RolloutStoreError(where, "meta.sampling", f"expected a JSON object, got {doc['sampling']!r}")
     if doc["model_dtype"] not in MODEL_DTYPES:
         raise RolloutStoreError(where, "meta.model_dtype", f"{doc['model_dtype']!r} is not one of {MODEL_DTYPES}")
-    meta = BatchMeta(batch_id=doc["batch_id"], node_key=doc["node_key"], version=integer("version"),
-                     assignment_id=assignment, sampling=doc["sampling"], model_dtype=doc["model_dtype"])
+    meta = BatchMeta(
+        batch_id=doc["batch_id"],
+        node_key=doc["node_key"],
+        version=integer("version"),
+        assignment_id=assignment,
+        sampling=doc["sampling"],
+        model_dtype=doc["model_dtype"],
+    )
     counts = {k: integer(k) for k in ("num_samples", "num_tokens", "num_proof_bytes")}
     return meta, counts
 
@@ -416,8 +496,12 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
             got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
             raise RolloutStoreError(where, name, f"expected a 1-D {dtype} array, got {got}")
         if len(arr) != want[name]:
-            raise RolloutStoreError(where, name, f"length {len(arr)}, expected {want[name]} for {n} samples, "
-                                    f"{counts['num_tokens']} tokens, {counts['num_proof_bytes']} proof bytes")
+            raise RolloutStoreError(
+                where,
+                name,
+                f"length {len(arr)}, expected {want[name]} for {n} samples, "
+                f"{counts['num_tokens']} tokens, {counts['num_proof_bytes']} proof bytes",
+            )
     if n == 0:
         raise RolloutStoreError(where, "num_samples", "a batch holds at least one sample")
 
@@ -428,8 +512,11 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
 
     offsets, proof_offsets = batch.offsets, batch.proof_offsets
     if offsets[0] != 0 or offsets[-1] != len(batch.tokens):
-        raise RolloutStoreError(where, "offsets", f"must run from 0 to {len(batch.tokens)} (the token count), "
-                                f"got {int(offsets[0])} .. {int(offsets[-1])}")
+        raise RolloutStoreError(
+            where,
+            "offsets",
+            f"must run from 0 to {len(batch.tokens)} (the token count), got {int(offsets[0])} .. {int(offsets[-1])}",
+        )
     lengths = np.diff(offsets)
     fail("offsets", lengths <= 0, "not strictly increasing")
     fail("prompt_lens", batch.prompt_lens < 1, "prompt length < 1")
@@ -450,11 +537,18 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     if len(batch.proofs) % PROOF_CHUNK_BYTES:
         raise RolloutStoreError(where, "proofs", f"{len(batch.proofs)} bytes is not a multiple of {PROOF_CHUNK_BYTES}")
     if proof_offsets[0] != 0 or proof_offsets[-1] != len(batch.proofs):
-        raise RolloutStoreError(where, "proof_offsets", f"must run from 0 to {len(batch.proofs)} (the proof bytes), "
-                                f"got {int(proof_offsets[0])} .. {int(proof_offsets[-1])}")
+        raise RolloutStoreError(
+            where,
+            "proof_offsets",
+            f"must run from 0 to {len(batch.proofs)} (the proof bytes), "
+            f"got {int(proof_offsets[0])} .. {int(proof_offsets[-1])}",
+        )
     chunks = -(-(lengths - batch.prompt_lens) // PROOF_CHUNK_TOKENS)
-    fail("proof_offsets", np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
-         f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(completion length / {PROOF_CHUNK_TOKENS})")
+    fail(
+        "proof_offsets",
+        np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
+        f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(completion length / {PROOF_CHUNK_TOKENS})",
+    )
 
 
 def _result(future: Any, where: str, field: str, what: str) -> Any:
@@ -484,8 +578,14 @@ class RolloutStore:
         self.kvstore, self.context, self.compression = kvstore, context, compression
 
     @classmethod
-    def open(cls, location: str | os.PathLike | Mapping[str, Any], *, context: ts.Context | None = None,
-             sync: bool = True, compression: str = "blosc-lz4") -> RolloutStore:
+    def open(
+        cls,
+        location: str | os.PathLike | Mapping[str, Any],
+        *,
+        context: ts.Context | None = None,
+        sync: bool = True,
+        compression: str = "blosc-lz4",
+    ) -> RolloutStore:
         """Open a store at a URL (`file://`, `memory://`, `gs://`, `s3://`), a plain directory or a kvstore spec.
 
         `sync=False` skips fsync on `file://` stores (benchmarks, scratch runs); `context` shares `memory://`
@@ -517,14 +617,22 @@ class RolloutStore:
 
     def _metadata(self, dtype: str, length: int) -> dict[str, Any]:
         codec = CODECS[self.compression]
-        codecs = [{"name": "bytes", "configuration": {"endian": "little"}} if np.dtype(dtype).itemsize > 1
-                  else {"name": "bytes"}]
+        codecs = [
+            {"name": "bytes", "configuration": {"endian": "little"}}
+            if np.dtype(dtype).itemsize > 1
+            else {"name": "bytes"}
+        ]
         if codec is not None:
             codecs.append(codec(np.dtype(dtype).itemsize))
         chunk = max(1, -(-length // max(1, -(-length // _CHUNK_ELEMENTS))))  # equal chunks, little padding
-        return {"shape": [length], "data_type": dtype, "fill_value": 0, "codecs": codecs,
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
-                "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}}}  # name/0: no c/ dir
+        return {
+            "shape": [length],
+            "data_type": dtype,
+            "fill_value": 0,
+            "codecs": codecs,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+            "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
+        }  # name/0: no c/ dir
 
     def write(self, batch: RolloutBatch, *, vocab_size: int | None = None) -> str:
         """Validate and store `batch`; returns the sha256 written to `COMMIT`. A committed batch is never replaced."""
@@ -539,9 +647,15 @@ class RolloutStore:
         if existing.state != "missing":
             raise RolloutStoreError(where, "COMMIT", "the batch is already committed; batch ids are written once")
         _result(self.kvstore.delete_range(_prefix_range(prefix)), where, "batch", "clearing a partial write")
-        opened = {name: ts.open({"driver": "zarr3", "metadata": self._metadata(dtype, len(arrays[name]))},
-                                kvstore=self.kvstore / f"{prefix}{name}/", context=self.context, create=True)
-                  for name, dtype, _ in FIELDS}
+        opened = {
+            name: ts.open(
+                {"driver": "zarr3", "metadata": self._metadata(dtype, len(arrays[name]))},
+                kvstore=self.kvstore / f"{prefix}{name}/",
+                context=self.context,
+                create=True,
+            )
+            for name, dtype, _ in FIELDS
+        }
         writes = [self.kvstore.write(prefix + "meta.json", meta)]
         for name in FIELD_NAMES:
             store = _result(opened[name], where, name, "creating the array")
@@ -595,13 +709,27 @@ class RolloutStore:
         if not isinstance(doc, dict):
             raise RolloutStoreError(where, name, f"zarr.json: expected a JSON object, got {type(doc).__name__}")
         try:
-            return ts.open({"driver": "zarr3", "metadata": doc}, kvstore=self.kvstore / f"{prefix}{name}/",
-                           context=self.context, open=True, read=True, assume_metadata=True)
+            return ts.open(
+                {"driver": "zarr3", "metadata": doc},
+                kvstore=self.kvstore / f"{prefix}{name}/",
+                context=self.context,
+                open=True,
+                read=True,
+                assume_metadata=True,
+            )
         except Exception as e:  # the spec is parsed here: a malformed zarr.json raises at once
             raise RolloutStoreError(where, name, f"opening the array failed: {e}") from e
 
-    def read(self, version: int, batch_id: str, *, vocab_size: int | None = None, expect_sha256: str | None = None,
-             max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, limits: ReadLimits | None = None) -> RolloutBatch:
+    def read(
+        self,
+        version: int,
+        batch_id: str,
+        *,
+        vocab_size: int | None = None,
+        expect_sha256: str | None = None,
+        max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+        limits: ReadLimits | None = None,
+    ) -> RolloutBatch:
         """Read, verify and validate a committed batch (module docstring); `RolloutStoreError` otherwise.
 
         `expect_sha256`: the digest the validator accepted; a batch committed with any other digest is refused.
@@ -620,38 +748,53 @@ class RolloutStore:
             raise RolloutStoreError(where, "meta.json", "missing")
         meta, counts = parse_meta(raw.value, where)
         if (meta.version, meta.batch_id) != (int(version), batch_id):
-            raise RolloutStoreError(where, "meta.json", f"describes v{meta.version:06d}/{meta.batch_id}, "
-                                    "not the batch at this path")
+            raise RolloutStoreError(
+                where, "meta.json", f"describes v{meta.version:06d}/{meta.batch_id}, not the batch at this path"
+            )
         if limits is not None:
             limits.check_counts(counts, where)
         lengths = expected_lengths(counts)
         declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in FIELDS)
         if declared > max_batch_bytes:
-            raise RolloutStoreError(where, "meta.json", f"declares {declared} bytes of arrays, more than the "
-                                    f"reader's limit of {max_batch_bytes}")
+            raise RolloutStoreError(
+                where,
+                "meta.json",
+                f"declares {declared} bytes of arrays, more than the reader's limit of {max_batch_bytes}",
+            )
         opened = {name: self._open_array(prefix, name, where) for name in FIELD_NAMES}
         reads = {}
         for name, dtype, kind in FIELDS:  # every array's declared shape and chunking, before it is read
             store = _result(opened[name], where, name, "opening the array")
             if store.dtype.numpy_dtype != np.dtype(dtype) or store.rank != 1:
-                raise RolloutStoreError(where, name, f"stored as {store.dtype.numpy_dtype} rank {store.rank}, "
-                                        f"the schema says 1-D {dtype}")
+                raise RolloutStoreError(
+                    where, name, f"stored as {store.dtype.numpy_dtype} rank {store.rank}, the schema says 1-D {dtype}"
+                )
             bound = None if limits is None else limits.bound(kind)
             if bound is not None and store.shape[0] > bound:
-                raise RolloutStoreError(where, name, f"declares {store.shape[0]} elements, more than the {bound} "
-                                        "the reader allows")
+                raise RolloutStoreError(
+                    where, name, f"declares {store.shape[0]} elements, more than the {bound} the reader allows"
+                )
             if store.domain.inclusive_min != (0,) or store.shape != (lengths[name],):
-                raise RolloutStoreError(where, name, f"stored with domain {store.domain}, meta.json implies "
-                                        f"length {lengths[name]}")
+                raise RolloutStoreError(
+                    where, name, f"stored with domain {store.domain}, meta.json implies length {lengths[name]}"
+                )
             layout = store.chunk_layout
             chunks = [layout.read_chunk.shape, layout.write_chunk.shape]
             if any(c is None or not 0 < c[0] <= max(lengths[name], _SPARE_CHUNK_ELEMENTS) for c in chunks):
-                raise RolloutStoreError(where, name, f"chunk shape {chunks[0]} (written in {chunks[1]}) is larger "
-                                        f"than the reader accepts for {lengths[name]} elements")
+                raise RolloutStoreError(
+                    where,
+                    name,
+                    f"chunk shape {chunks[0]} (written in {chunks[1]}) is larger "
+                    f"than the reader accepts for {lengths[name]} elements",
+                )
             max_chunks = _MAX_CHUNKS if limits is None else limits.max_chunks
             if -(-lengths[name] // chunks[0][0]) > max_chunks:
-                raise RolloutStoreError(where, name, f"stored in {-(-lengths[name] // chunks[0][0])} chunks of "
-                                        f"{chunks[0][0]} elements, more than the {max_chunks} the reader allows")
+                raise RolloutStoreError(
+                    where,
+                    name,
+                    f"stored in {-(-lengths[name] // chunks[0][0])} chunks of "
+                    f"{chunks[0][0]} elements, more than the {max_chunks} the reader allows",
+                )
             reads[name] = store.read()
         arrays, digests = {}, []
         for name, dtype, _ in FIELDS:  # hash each field as soon as it is decoded, while the others still load
@@ -659,8 +802,12 @@ class RolloutStore:
             digests.append(_HASH_POOL.submit(_field_digest, arrays[name], dtype))
         actual = _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], raw.value)
         if actual != digest:
-            raise RolloutStoreError(where, "COMMIT", f"the batch's canonical sha256 is {actual}, COMMIT says {digest} "
-                                    "(the stored bytes were altered or are incomplete)")
+            raise RolloutStoreError(
+                where,
+                "COMMIT",
+                f"the batch's canonical sha256 is {actual}, COMMIT says {digest} "
+                "(the stored bytes were altered or are incomplete)",
+            )
         batch = RolloutBatch(meta=meta, **{name: arrays[name].astype(dtype, copy=False) for name, dtype, _ in FIELDS})
         check_batch(batch, vocab_size)
         if limits is not None:
@@ -686,8 +833,11 @@ class RolloutStore:
         """Committed batches with min_version <= version <= max_version, newest version first (ids ascending).
 
         Committed means that `COMMIT` exists; its digest is verified by `read`, not here."""
-        refs = [ref for version, _, ref in self._keys() if ref is not None and version >= min_version
-                and (max_version is None or version <= max_version)]
+        refs = [
+            ref
+            for version, _, ref in self._keys()
+            if ref is not None and version >= min_version and (max_version is None or version <= max_version)
+        ]
         return sorted(refs, key=lambda r: (-r.version, r.batch_id))
 
     def prune(self, before_version: int) -> list[BatchRef]:
@@ -722,4 +872,3 @@ class RolloutStore:
 def _prefix_range(prefix: str) -> ts.KvStore.KeyRange:
     """All keys starting with `prefix` (which ends with "/": the next byte value closes the range)."""
     return ts.KvStore.KeyRange(prefix.encode(), prefix[:-1].encode() + bytes([ord(prefix[-1]) + 1]))
-

@@ -59,7 +59,9 @@ def dtype_name(dtype) -> str:
     try:
         return DTYPE_NAMES[np.dtype(dtype)]
     except KeyError:
-        raise SafetensorsError(f"dtype {dtype} has no safetensors name (supported: {sorted(DTYPE_NAMES.values())})")
+        raise SafetensorsError(
+            f"dtype {dtype} has no safetensors name (supported: {sorted(DTYPE_NAMES.values())})"
+        ) from None
 
 
 class SafetensorsFile:

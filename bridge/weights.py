@@ -259,12 +259,12 @@ def write_version(
                 h = hashlib.sha256()
                 pending: list[tuple[cf.Future, cf.Future]] = []
 
-                def submit(buf: np.ndarray) -> None:
-                    while len(pending) >= 2:
-                        for fut in pending.pop(0):
+                def submit(buf: np.ndarray) -> None:  # called within this iteration only: its f, h and pending
+                    while len(pending) >= 2:  # noqa: B023
+                        for fut in pending.pop(0):  # noqa: B023
                             fut.result()
                     mv = _raw_bytes(buf)
-                    pending.append((write_pool.submit(f.write, mv), hash_pool.submit(h.update, mv)))
+                    pending.append((write_pool.submit(f.write, mv), hash_pool.submit(h.update, mv)))  # noqa: B023
 
                 if writer:
                     submit(np.frombuffer(encode_header(planned, {"format": "pt"}), np.uint8))

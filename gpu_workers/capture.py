@@ -76,7 +76,7 @@ class _Recorder:
         hidden = output[0] if isinstance(output, tuple) else output  # fused add+norm returns (out, residual)
         batch = self.runner.input_batch
         n = batch.num_reqs
-        starts = self.runner.query_start_loc.np[:n + 1]
+        starts = self.runner.query_start_loc.np[: n + 1]
         last = starts[1:] - 1
         positions = batch.num_computed_tokens_cpu[:n] + (starts[1:] - starts[:-1]) - 1
         rows = hidden.index_select(0, torch.from_numpy(last.astype(np.int64)).to(hidden.device))
@@ -135,8 +135,10 @@ def _drain(worker) -> dict[str, tuple[np.ndarray, torch.Tensor]]:
     order, request, positions = order[keep], request[keep], positions[keep]
     bounds = np.searchsorted(request, np.arange(len(names) + 1))
     index = torch.from_numpy(order)
-    return {str(name): (positions[a:b], rows.index_select(0, index[a:b]))
-            for name, a, b in zip(names, bounds[:-1], bounds[1:])}
+    return {
+        str(name): (positions[a:b], rows.index_select(0, index[a:b]))
+        for name, a, b in zip(names, bounds[:-1], bounds[1:])
+    }
 
 
 class ProofCapture:
@@ -176,8 +178,9 @@ class ProofCapture:
         per_prompt = [self._with_logprobs(p, i) for i, p in enumerate(per_prompt)]
         self.llm.collective_rpc(_start)
         try:
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
-                                        use_tqdm=False)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt, use_tqdm=False
+            )
         finally:
             captured = self.llm.collective_rpc(_drain)[0]  # tensor-parallel ranks hold the same rows
         by_external = {rid.rsplit("-", 1)[0]: value for rid, value in captured.items()}
@@ -190,18 +193,27 @@ class ProofCapture:
             wanted = np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
             found = np.searchsorted(positions, wanted)
             if len(tokens) == 0 or found[-1] >= len(positions) or np.any(positions[found] != wanted):
-                raise RuntimeError(f"capture: request {out.request_id}: {len(tokens)} tokens, but the hidden "
-                                   f"states of positions {len(prompt) - 1}..{len(prompt) + len(tokens) - 2} "
-                                   "were not all recorded")
+                raise RuntimeError(
+                    f"capture: request {out.request_id}: {len(tokens)} tokens, but the hidden "
+                    f"states of positions {len(prompt) - 1}..{len(prompt) + len(tokens) - 2} "
+                    "were not all recorded"
+                )
             hidden = rows.index_select(0, torch.from_numpy(found))
             if sample.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"capture: request {out.request_id} finished with {sample.finish_reason!r}")
-            completions.append(Completion(
-                prompt_tokens=prompt, tokens=tokens,
-                logprobs=np.array([entry[token].logprob for entry, token in zip(sample.logprobs, tokens)],
-                                  dtype=np.float32),
-                finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
-                hidden=hidden, proofs=[], request_id=out.request_id))
+            completions.append(
+                Completion(
+                    prompt_tokens=prompt,
+                    tokens=tokens,
+                    logprobs=np.array(
+                        [entry[token].logprob for entry, token in zip(sample.logprobs, tokens)], dtype=np.float32
+                    ),
+                    finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
+                    hidden=hidden,
+                    proofs=[],
+                    request_id=out.request_id,
+                )
+            )
         proofs = build_proofs_batch([c.hidden.to(torch.bfloat16) for c in completions], self.chunk, self.topk)
         for completion, sample_proofs in zip(completions, proofs):
             completion.proofs = sample_proofs
@@ -210,8 +222,10 @@ class ProofCapture:
     @staticmethod
     def _with_logprobs(params: SamplingParams, index: int) -> SamplingParams:
         if params.n != 1:
-            raise ValueError(f"params[{index}]: n={params.n}; capture needs one sample per request "
-                             "(submit each sample as its own request with its own seed)")
+            raise ValueError(
+                f"params[{index}]: n={params.n}; capture needs one sample per request "
+                "(submit each sample as its own request with its own seed)"
+            )
         if params.logprobs is None:
             params = params.clone()
             params.logprobs = 0

@@ -89,8 +89,7 @@ class BatchVerdict:
 
     @property
     def accepted(self) -> bool:
-        return bool(self.samples) and all(v.passed for v in self.batch_checks) and \
-            all(s.accepted for s in self.samples)
+        return bool(self.samples) and all(v.passed for v in self.batch_checks) and all(s.accepted for s in self.samples)
 
     def failed_checks(self) -> dict[str, int]:
         """Check name -> number of samples (or 1 for a batch-level check) that failed it."""
@@ -108,12 +107,14 @@ class BatchVerdict:
         did not run come last, once per check."""
         out = [f"batch: {r}" for v in self.batch_checks for r in v.reasons]
         out += [f"sample {s.index}: {r}" for s in self.samples for v in s.verdicts if v.ran for r in v.reasons]
-        out += dict.fromkeys(f"{v.check}: {r}" for s in self.samples for v in s.verdicts if not v.ran
-                             for r in v.reasons)
+        out += dict.fromkeys(
+            f"{v.check}: {r}" for s in self.samples for v in s.verdicts if not v.ran for r in v.reasons
+        )
         return out[:limit]
 
     def summary(self) -> dict[str, Any]:
         """Counts, and the worst and the average of the computation and sampling numbers, for logs."""
+
         def values(check: str, key: str) -> list[float]:
             return [s.numbers(check)[key] for s in self.samples if key in s.numbers(check)]
 
@@ -125,16 +126,24 @@ class BatchVerdict:
             found = values(check, key)
             return round(float(np.mean(found)), 4) if found else None
 
-        return {"accepted": self.accepted, "samples": len(self.samples),
-                "rejected": sum(not s.accepted for s in self.samples), "failed": self.failed_checks(),
-                "worst": {"exp_mismatches": worst("computation", "max_exp_mismatches"),
-                          "mant_err_mean": worst("computation", "max_mant_err_mean"),
-                          "mant_err_median": worst("computation", "max_mant_err_median"),
-                          "logprob_diff_mean": worst("sampling", "mean_logprob_diff"),
-                          "logprob_diff_max": worst("sampling", "max_logprob_diff")},
-                "average": {"exp_mismatches": average("computation", "mean_exp_mismatches"),
-                            "mant_err_mean": average("computation", "mean_mant_err_mean"),
-                            "logprob_diff_mean": average("sampling", "mean_logprob_diff")}}
+        return {
+            "accepted": self.accepted,
+            "samples": len(self.samples),
+            "rejected": sum(not s.accepted for s in self.samples),
+            "failed": self.failed_checks(),
+            "worst": {
+                "exp_mismatches": worst("computation", "max_exp_mismatches"),
+                "mant_err_mean": worst("computation", "max_mant_err_mean"),
+                "mant_err_median": worst("computation", "max_mant_err_median"),
+                "logprob_diff_mean": worst("sampling", "mean_logprob_diff"),
+                "logprob_diff_max": worst("sampling", "max_logprob_diff"),
+            },
+            "average": {
+                "exp_mismatches": average("computation", "mean_exp_mismatches"),
+                "mant_err_mean": average("computation", "mean_mant_err_mean"),
+                "logprob_diff_mean": average("sampling", "mean_logprob_diff"),
+            },
+        }
 
     def rewards(self) -> list[float | None]:
         """The validator's recomputed reward per sample (None where the reward check did not run)."""
@@ -252,8 +261,19 @@ def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
 
 def samples_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Sample]:
     """Split a batch's flat arrays (docs/design.md section 6 names) into samples; ValueError names a bad field."""
-    required = ("tokens", "offsets", "prompt_lens", "logprobs", "task_ids", "group_ids", "seeds", "finish",
-                "rewards", "proofs", "proof_offsets")
+    required = (
+        "tokens",
+        "offsets",
+        "prompt_lens",
+        "logprobs",
+        "task_ids",
+        "group_ids",
+        "seeds",
+        "finish",
+        "rewards",
+        "proofs",
+        "proof_offsets",
+    )
     missing = [name for name in required if name not in arrays]
     if missing:
         raise ValueError(f"batch arrays: missing {', '.join(missing)}")
@@ -262,44 +282,68 @@ def samples_from_arrays(arrays: Mapping[str, np.ndarray]) -> list[Sample]:
     n = len(offsets) - 1
     if n < 0 or offsets[0] != 0 or offsets[-1] != len(a["tokens"]) or np.any(np.diff(offsets) < 0):
         raise ValueError(f"offsets: must rise from 0 to len(tokens) = {len(a['tokens'])}, got {offsets[:5]}...")
-    if len(proof_offsets) != n + 1 or proof_offsets[0] != 0 or proof_offsets[-1] != len(a["proofs"]) \
-            or np.any(np.diff(proof_offsets) < 0):
+    if (
+        len(proof_offsets) != n + 1
+        or proof_offsets[0] != 0
+        or proof_offsets[-1] != len(a["proofs"])
+        or np.any(np.diff(proof_offsets) < 0)
+    ):
         raise ValueError(f"proof_offsets: must hold {n + 1} offsets rising from 0 to len(proofs) = {len(a['proofs'])}")
     if len(a["logprobs"]) != len(a["tokens"]):
         raise ValueError(f"logprobs: {len(a['logprobs'])} entries for {len(a['tokens'])} tokens")
     target_lens = a.get("target_lens", np.zeros(n, dtype=np.int32))
-    for name, values in (("prompt_lens", a["prompt_lens"]), ("task_ids", a["task_ids"]),
-                         ("group_ids", a["group_ids"]), ("seeds", a["seeds"]), ("finish", a["finish"]),
-                         ("rewards", a["rewards"]), ("target_lens", target_lens)):
+    for name, values in (
+        ("prompt_lens", a["prompt_lens"]),
+        ("task_ids", a["task_ids"]),
+        ("group_ids", a["group_ids"]),
+        ("seeds", a["seeds"]),
+        ("finish", a["finish"]),
+        ("rewards", a["rewards"]),
+        ("target_lens", target_lens),
+    ):
         if values.shape != (n,):
             raise ValueError(f"{name}: expected shape ({n},) for {n} samples, got {values.shape}")
     lengths = np.diff(offsets)
     if np.any(a["prompt_lens"] < 1) or np.any(a["prompt_lens"] > lengths):
         bad = int(np.flatnonzero((a["prompt_lens"] < 1) | (a["prompt_lens"] > lengths))[0])
-        raise ValueError(f"prompt_lens: sample {bad} has prompt length {a['prompt_lens'][bad]} "
-                         f"of {lengths[bad]} tokens")
+        raise ValueError(
+            f"prompt_lens: sample {bad} has prompt length {a['prompt_lens'][bad]} of {lengths[bad]} tokens"
+        )
     proofs = a["proofs"].astype(np.uint8).tobytes()
     samples = []
     for i in range(n):
         start, cut, end = int(offsets[i]), int(offsets[i] + a["prompt_lens"][i]), int(offsets[i + 1])
-        samples.append(Sample(
-            prompt_tokens=a["tokens"][start:cut], completion_tokens=a["tokens"][cut:end],
-            logprobs=a["logprobs"][cut:end].astype(np.float32), finish=int(a["finish"][i]),
-            proofs=proofs[proof_offsets[i]:proof_offsets[i + 1]], seed=int(a["seeds"][i]),
-            task_id=int(a["task_ids"][i]), group_id=int(a["group_ids"][i]), reward=float(a["rewards"][i]),
-            target_len=int(target_lens[i])))
+        samples.append(
+            Sample(
+                prompt_tokens=a["tokens"][start:cut],
+                completion_tokens=a["tokens"][cut:end],
+                logprobs=a["logprobs"][cut:end].astype(np.float32),
+                finish=int(a["finish"][i]),
+                proofs=proofs[proof_offsets[i] : proof_offsets[i + 1]],
+                seed=int(a["seeds"][i]),
+                task_id=int(a["task_ids"][i]),
+                group_id=int(a["group_ids"][i]),
+                reward=float(a["rewards"][i]),
+                target_len=int(target_lens[i]),
+            )
+        )
     return samples
 
 
-def check_computation(proofs: bytes, hidden: torch.Tensor, thresholds: Thresholds = Thresholds(),
-                      chunk: int = 32, topk: int = 128) -> CheckVerdict:
+def check_computation(
+    proofs: bytes, hidden: torch.Tensor, thresholds: Thresholds = Thresholds(), chunk: int = 32, topk: int = 128
+) -> CheckVerdict:
     """TOPLOC: the sample's concatenated `proofs` against the validator's `hidden` [n, H] (any float dtype;
     compared in bf16), every chunk within `thresholds`."""
     return check_computation_batch([(proofs, hidden)], thresholds, chunk, topk)[0]
 
 
-def check_computation_batch(samples: Sequence[tuple[bytes, torch.Tensor]], thresholds: Thresholds = Thresholds(),
-                            chunk: int = 32, topk: int = 128) -> list[CheckVerdict]:
+def check_computation_batch(
+    samples: Sequence[tuple[bytes, torch.Tensor]],
+    thresholds: Thresholds = Thresholds(),
+    chunk: int = 32,
+    topk: int = 128,
+) -> list[CheckVerdict]:
     """`check_computation` of several (proofs, hidden) samples, one verdict each; the proofs of all of them
     are evaluated as one batch (`verify_proofs_batch`)."""
     import torch
@@ -322,18 +366,23 @@ def check_computation_batch(samples: Sequence[tuple[bytes, torch.Tensor]], thres
 
 def _computation_verdict(checks: list[ChunkCheck], thresholds: Thresholds) -> CheckVerdict:
     """The computation verdict of one sample from its chunks' checks."""
-    numbers = {"chunks": len(checks),
-               "max_exp_mismatches": max(c.exp_mismatches for c in checks),
-               "max_mant_err_mean": max(c.mant_err_mean for c in checks),
-               "max_mant_err_median": max(c.mant_err_median for c in checks),
-               "mean_exp_mismatches": float(np.mean([c.exp_mismatches for c in checks])),
-               "mean_mant_err_mean": float(np.mean([c.mant_err_mean for c in checks]))}
+    numbers = {
+        "chunks": len(checks),
+        "max_exp_mismatches": max(c.exp_mismatches for c in checks),
+        "max_mant_err_mean": max(c.mant_err_mean for c in checks),
+        "max_mant_err_median": max(c.mant_err_median for c in checks),
+        "mean_exp_mismatches": float(np.mean([c.exp_mismatches for c in checks])),
+        "mean_mant_err_mean": float(np.mean([c.mant_err_mean for c in checks])),
+    }
     if thresholds.accepts(checks):
         return CheckVerdict("computation", True, numbers=numbers)
     bad = [(i, c) for i, c in enumerate(checks) if not thresholds.accepts([c])]
-    reasons = tuple(f"TOPLOC chunk {i}: {c.exp_mismatches} exponent mismatches (max {thresholds.max_exp_mismatches}),"
-                    f" mantissa error mean {c.mant_err_mean:.3g} (max {thresholds.max_mant_err_mean}), median "
-                    f"{c.mant_err_median:.3g} (max {thresholds.max_mant_err_median})" for i, c in bad[:_SHOWN])
+    reasons = tuple(
+        f"TOPLOC chunk {i}: {c.exp_mismatches} exponent mismatches (max {thresholds.max_exp_mismatches}),"
+        f" mantissa error mean {c.mant_err_mean:.3g} (max {thresholds.max_mant_err_mean}), median "
+        f"{c.mant_err_median:.3g} (max {thresholds.max_mant_err_median})"
+        for i, c in bad[:_SHOWN]
+    )
     if len(bad) > _SHOWN:
         reasons += (f"TOPLOC: {len(bad)} of {len(checks)} chunks fail",)
     return CheckVerdict("computation", False, reasons, numbers)
@@ -347,9 +396,15 @@ per-sample means of 0.015-0.032 (hidden 128, 2 layers), 0.027-0.049 (hidden 256,
 float32 and float16 round 2^16 and 2^3 times finer."""
 
 
-def check_sampling(tokens: Sequence[int], logprobs: Sequence[float], logits: torch.Tensor | np.ndarray,
-                   temperature: float, top_p: float, tolerance: SamplingTolerance = SamplingTolerance(),
-                   dtype: str = "bfloat16") -> CheckVerdict:
+def check_sampling(
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    logits: torch.Tensor | np.ndarray,
+    temperature: float,
+    top_p: float,
+    tolerance: SamplingTolerance = SamplingTolerance(),
+    dtype: str = "bfloat16",
+) -> CheckVerdict:
     """Nucleus membership and logprob agreement of a completion under the validator's `logits` [n, vocab].
 
     Nucleus: vLLM keeps a token when the probability of the tokens ranked above it is below top_p. With
@@ -362,9 +417,13 @@ def check_sampling(tokens: Sequence[int], logprobs: Sequence[float], logits: tor
     return check_sampling_batch([(tokens, logprobs, logits)], temperature, top_p, tolerance, dtype)[0]
 
 
-def check_sampling_batch(completions: Sequence[tuple[Sequence[int], Sequence[float], torch.Tensor | np.ndarray]],
-                         temperature: float, top_p: float, tolerance: SamplingTolerance = SamplingTolerance(),
-                         dtype: str = "bfloat16") -> list[CheckVerdict]:
+def check_sampling_batch(
+    completions: Sequence[tuple[Sequence[int], Sequence[float], torch.Tensor | np.ndarray]],
+    temperature: float,
+    top_p: float,
+    tolerance: SamplingTolerance = SamplingTolerance(),
+    dtype: str = "bfloat16",
+) -> list[CheckVerdict]:
     """`check_sampling` of several (tokens, logprobs, logits) completions, one verdict each: the rows of all
     well-formed ones go through the float64 work together, so its per-call costs are paid once. `dtype`: the
     worker's, which sets the mean logprob bound when `tolerance` leaves it unset."""
@@ -375,17 +434,23 @@ def check_sampling_batch(completions: Sequence[tuple[Sequence[int], Sequence[flo
     verdicts: list[CheckVerdict | None] = []
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for tokens, logprobs, logits in completions:
-        tokens, stored, logits = np.asarray(tokens, dtype=np.int64), np.asarray(logprobs, dtype=np.float64), \
-            _as_float32(logits)
+        tokens, stored, logits = (
+            np.asarray(tokens, dtype=np.int64),
+            np.asarray(logprobs, dtype=np.float64),
+            _as_float32(logits),
+        )
         problem = _malformed(tokens, stored, logits)
         verdicts.append(CheckVerdict("sampling", False, (problem,)) if problem else None)
         if not problem:
             rows.append((tokens, stored, logits))
     if rows:
-        least_above, recomputed = _sampling_rows(np.concatenate([r[0] for r in rows]),
-                                                 np.concatenate([r[2] for r in rows]) if len(rows) > 1
-                                                 else rows[0][2], temperature, top_p,
-                                                 tolerance.logit_tolerance / temperature)
+        least_above, recomputed = _sampling_rows(
+            np.concatenate([r[0] for r in rows]),
+            np.concatenate([r[2] for r in rows]) if len(rows) > 1 else rows[0][2],
+            temperature,
+            top_p,
+            tolerance.logit_tolerance / temperature,
+        )
         ends = np.cumsum([len(r[0]) for r in rows])
         parts = iter(zip(rows, np.split(least_above, ends[:-1]), np.split(recomputed, ends[:-1])))
         for i, verdict in enumerate(verdicts):
@@ -403,9 +468,13 @@ larger models, whose logits are larger and round coarser in bfloat16. The near-t
 from the same runs: up to 1.7% of an honest bfloat16 completion's tokens were near ties (none in float32)."""
 
 
-def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], temperature: float, top_p: float,
-                       tolerance: SamplingTolerance = SamplingTolerance(), dtype: str = "bfloat16"
-                       ) -> list[CheckVerdict]:
+def check_replay_batch(
+    completions: Sequence[tuple[Sequence[int], Any, int]],
+    temperature: float,
+    top_p: float,
+    tolerance: SamplingTolerance = SamplingTolerance(),
+    dtype: str = "bfloat16",
+) -> list[CheckVerdict]:
     """Exact replay of the replayable sampler (`gpu_workers.replay`) on (tokens, logits [n, vocab], seed)
     completions: one "replay" verdict per completion (`check_near_tie_budget` judges the batch's near ties).
 
@@ -425,8 +494,11 @@ def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], te
 
     if not temperature > 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature} and {top_p}")
-    d = tolerance.replay_logit_tolerance if tolerance.replay_logit_tolerance is not None \
+    d = (
+        tolerance.replay_logit_tolerance
+        if tolerance.replay_logit_tolerance is not None
         else REPLAY_LOGIT_TOLERANCE.get(dtype, REPLAY_LOGIT_TOLERANCE["bfloat16"])
+    )
     # the work is many small elementwise passes: torch's thread pool costs more than it brings there (on a busy
     # 2-core host a sample took 0.7-0.9 s with 2 threads and 12-16 ms with one)
     threads = torch.get_num_threads()
@@ -437,8 +509,9 @@ def check_replay_batch(completions: Sequence[tuple[Sequence[int], Any, int]], te
         torch.set_num_threads(threads)
 
 
-def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTolerance, margin: float,
-            slack: float) -> list[CheckVerdict]:
+def _replay(
+    completions, temperature: float, top_p: float, tolerance: SamplingTolerance, margin: float, slack: float
+) -> list[CheckVerdict]:
     """`check_replay_batch`'s work, one completion at a time."""
     import torch
 
@@ -468,8 +541,7 @@ def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTo
                 if not bool(redo.any()):
                     break
                 masked[rows[redo], choice[redo]] = -math.inf
-                choice[redo], best[redo] = noisy_max(masked[redo], [int(seed)] * int(redo.sum()),
-                                                     rows[redo].tolist())
+                choice[redo], best[redo] = noisy_max(masked[redo], [int(seed)] * int(redo.sum()), rows[redo].tolist())
         gap = best - score
         off = torch.nonzero(gap > margin).flatten()
         near = int(((choice != tokens) & (gap <= margin)).sum())
@@ -477,35 +549,53 @@ def _replay(completions, temperature: float, top_p: float, tolerance: SamplingTo
         p = logp.exp()
         plogp = torch.where(kept, p * logp, torch.zeros_like(p))
         neg_entropy = plogp.sum(dim=-1)
-        variance = torch.where(kept, p * logp * logp, torch.zeros_like(p)).sum(dim=-1) - neg_entropy ** 2
+        variance = torch.where(kept, p * logp * logp, torch.zeros_like(p)).sum(dim=-1) - neg_entropy**2
         chosen_lp = z[rows, tokens] - torch.logsumexp(masked, dim=-1)  # over the nucleus, finite off it too
         typicality = float((chosen_lp.sum() - neg_entropy.sum()) / max(float(variance.sum()), 1e-12) ** 0.5)
         budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_token * n
-        numbers = {"tokens": n, "off_seed_tokens": len(off), "near_ties": near, "near_tie_budget": budget,
-                   "margin": margin, "max_gap": float(gap.max()), "typicality": typicality,
-                   "mean_logprob": float(chosen_lp.mean()), "mean_neg_entropy": float(neg_entropy.mean())}
+        numbers = {
+            "tokens": n,
+            "off_seed_tokens": len(off),
+            "near_ties": near,
+            "near_tie_budget": budget,
+            "margin": margin,
+            "max_gap": float(gap.max()),
+            "typicality": typicality,
+            "mean_logprob": float(chosen_lp.mean()),
+            "mean_neg_entropy": float(neg_entropy.mean()),
+        }
         reasons = []
         if len(off):
             shown = off[:_SHOWN].tolist()
-            reasons.append(f"{len(off)} of {n} tokens are not what seed {int(seed)} samples (positions {shown}: "
-                           f"noisy score short of the best by {[round(float(gap[i]), 3) for i in shown]}, margin "
-                           f"{margin:.3g} at temperature {temperature})")
+            reasons.append(
+                f"{len(off)} of {n} tokens are not what seed {int(seed)} samples (positions {shown}: "
+                f"noisy score short of the best by {[round(float(gap[i]), 3) for i in shown]}, margin "
+                f"{margin:.3g} at temperature {temperature})"
+            )
         if near > budget:
             reasons.append(f"{near} near-tie tokens differ from the seed's replayed choice (budget {budget:.1f})")
         verdicts.append(CheckVerdict("replay", not reasons, tuple(reasons), numbers))
     return verdicts
 
 
-def check_near_tie_budget(replayed: Sequence[CheckVerdict], tolerance: SamplingTolerance = SamplingTolerance()
-                          ) -> CheckVerdict:
+def check_near_tie_budget(
+    replayed: Sequence[CheckVerdict], tolerance: SamplingTolerance = SamplingTolerance()
+) -> CheckVerdict:
     """The batch's near ties (summed over its samples' replay verdicts) within the per-batch budget."""
     near = sum(int(v.numbers.get("near_ties", 0)) for v in replayed)
     tokens = sum(int(v.numbers.get("tokens", 0)) for v in replayed)
     budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_batch_token * tokens
     numbers = {"near_ties": near, "near_tie_budget": budget, "tokens": tokens}
     if near > budget:
-        return CheckVerdict("replay", False, (f"{near} near-tie tokens in the batch differ from the seeds' replayed "
-                                         f"choices (budget {budget:.1f} for {tokens} tokens)",), numbers)
+        return CheckVerdict(
+            "replay",
+            False,
+            (
+                f"{near} near-tie tokens in the batch differ from the seeds' replayed "
+                f"choices (budget {budget:.1f} for {tokens} tokens)",
+            ),
+            numbers,
+        )
     return CheckVerdict("replay", True, numbers=numbers)
 
 
@@ -530,7 +620,7 @@ def _surely_kept(z: torch.Tensor, tokens: torch.Tensor, top_p: float, slack: flo
     rows = torch.arange(len(tokens))
     zt = z[rows, tokens]
     probs = torch.softmax(z.double(), dim=-1)
-    above = (z > (zt - 2 * slack)[:, None])
+    above = z > (zt - 2 * slack)[:, None]
     above[rows, tokens] = False
     high = (probs * above).sum(dim=-1) * math.exp(slack)
     rest = (1 - (probs * above).sum(dim=-1)) * math.exp(-slack)
@@ -552,47 +642,74 @@ def _malformed(tokens: np.ndarray, stored: np.ndarray, logits: np.ndarray) -> st
     if len(tokens) != n or len(stored) != n:
         return f"{len(tokens)} tokens and {len(stored)} logprobs for {n} positions"
     if np.any((tokens < 0) | (tokens >= vocab)):
-        return f"token ids {tokens[(tokens < 0) | (tokens >= vocab)][:_SHOWN].tolist()} lie outside the vocab " \
-               f"(0..{vocab - 1})"
+        return (
+            f"token ids {tokens[(tokens < 0) | (tokens >= vocab)][:_SHOWN].tolist()} lie outside the vocab "
+            f"(0..{vocab - 1})"
+        )
     if not np.all(np.isfinite(stored)) or np.any(stored > 1e-3):
         return "stored logprobs must be finite and <= 0"
     return None
 
 
-def _sampling_verdict(stored: np.ndarray, least_above: np.ndarray, recomputed: np.ndarray, temperature: float,
-                      top_p: float, tolerance: SamplingTolerance) -> CheckVerdict:
+def _sampling_verdict(
+    stored: np.ndarray,
+    least_above: np.ndarray,
+    recomputed: np.ndarray,
+    temperature: float,
+    top_p: float,
+    tolerance: SamplingTolerance,
+) -> CheckVerdict:
     """The sampling verdict of one completion from its rows' least mass above and recomputed logprobs."""
     n = len(stored)
     diff = np.abs(stored - recomputed)
     outside = np.flatnonzero(least_above >= top_p)
-    numbers = {"tokens": n, "tokens_outside_nucleus": len(outside), "max_least_mass_above": float(least_above.max()),
-               "max_logprob_diff": float(diff.max()), "mean_logprob_diff": float(diff.mean()),
-               "mean_signed_logprob_diff": float((stored - recomputed).mean())}
+    numbers = {
+        "tokens": n,
+        "tokens_outside_nucleus": len(outside),
+        "max_least_mass_above": float(least_above.max()),
+        "max_logprob_diff": float(diff.max()),
+        "mean_logprob_diff": float(diff.mean()),
+        "mean_signed_logprob_diff": float((stored - recomputed).mean()),
+    }
     reasons = []
     if len(outside):
-        reasons.append(f"{len(outside)} tokens outside the top-p {top_p} nucleus at temperature {temperature} "
-                       f"(positions {outside[:_SHOWN].tolist()}: at least "
-                       f"{[round(float(least_above[i]), 4) for i in outside[:_SHOWN]]} of the mass ranks above them)")
+        reasons.append(
+            f"{len(outside)} tokens outside the top-p {top_p} nucleus at temperature {temperature} "
+            f"(positions {outside[:_SHOWN].tolist()}: at least "
+            f"{[round(float(least_above[i]), 4) for i in outside[:_SHOWN]]} of the mass ranks above them)"
+        )
     scale = 1.0 / temperature  # the bounds are stated at T = 1
     max_diff, mean_diff = tolerance.max_logprob_diff * scale, tolerance.mean_logprob_diff * scale
     allowance = tolerance.logprob_diff_allowance * scale
     if diff.max() > max_diff:
         worst = int(diff.argmax())
-        reasons.append(f"logprob of token {worst}: stored {stored[worst]:.4f}, recomputed {recomputed[worst]:.4f} "
-                       f"(max difference {max_diff:.3g} at temperature {temperature})")
+        reasons.append(
+            f"logprob of token {worst}: stored {stored[worst]:.4f}, recomputed {recomputed[worst]:.4f} "
+            f"(max difference {max_diff:.3g} at temperature {temperature})"
+        )
     if diff.sum() > mean_diff * n + allowance:
-        reasons.append(f"stored logprobs differ from the recomputed ones by {diff.mean():.4f} on average "
-                       f"(max {mean_diff:.3g} + {allowance:.3g} / {n} tokens at temperature {temperature})")
+        reasons.append(
+            f"stored logprobs differ from the recomputed ones by {diff.mean():.4f} on average "
+            f"(max {mean_diff:.3g} + {allowance:.3g} / {n} tokens at temperature {temperature})"
+        )
     signed, signed_max = float((stored - recomputed).sum()), tolerance.mean_signed_logprob_diff * scale
     if abs(signed) > signed_max * n + allowance:
-        reasons.append(f"stored logprobs differ from the recomputed ones by {signed / n:+.4f} on average in one "
-                       f"direction (max {signed_max:.3g} + {allowance:.3g} / {n} tokens at temperature "
-                       f"{temperature})")
+        reasons.append(
+            f"stored logprobs differ from the recomputed ones by {signed / n:+.4f} on average in one "
+            f"direction (max {signed_max:.3g} + {allowance:.3g} / {n} tokens at temperature "
+            f"{temperature})"
+        )
     return CheckVerdict("sampling", not reasons, tuple(reasons), numbers)
 
 
-def _sampling_rows(tokens: np.ndarray, logits: np.ndarray, temperature: float, top_p: float, slack: float,
-                   block_elements: int = 1 << 18) -> tuple[np.ndarray, np.ndarray]:
+def _sampling_rows(
+    tokens: np.ndarray,
+    logits: np.ndarray,
+    temperature: float,
+    top_p: float,
+    slack: float,
+    block_elements: int = 1 << 18,
+) -> tuple[np.ndarray, np.ndarray]:
     """Per row of `logits` [N, vocab] (float32) and its token: the least mass that can rank above the token
     (`check_sampling`'s nucleus test) and the token's logprob over the nucleus plus the token.
 
@@ -650,8 +767,9 @@ def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     bucket = top - (probs.view(np.int64) >> (52 - sub))
     np.clip(bucket, 0, count - 1, out=bucket)  # NaN patterns land in 0, tiny and zero ones in the last
     bucket += (np.arange(b, dtype=np.int64) * count)[:, None]
-    running = np.cumsum(np.bincount(bucket.ravel(), weights=probs.ravel(), minlength=b * count).reshape(b, count),
-                        axis=1)
+    running = np.cumsum(
+        np.bincount(bucket.ravel(), weights=probs.ravel(), minlength=b * count).reshape(b, count), axis=1
+    )
     reached = (running < top_p).sum(axis=1)  # buckets before the one where the prefix reaches top_p
     whole = reached == count  # rounding left the total below top_p: every token is kept
     reached = np.minimum(reached, count - 1)
@@ -672,8 +790,14 @@ def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     return np.where(whole, running[:, -1], mass), np.where(whole, 0.0, least)
 
 
-def check_termination(tokens: Sequence[int], finish: int, stop_token_ids: frozenset[int], max_tokens: int,
-                      prompt_len: int = 0, max_model_len: int | None = None) -> CheckVerdict:
+def check_termination(
+    tokens: Sequence[int],
+    finish: int,
+    stop_token_ids: frozenset[int],
+    max_tokens: int,
+    prompt_len: int = 0,
+    max_model_len: int | None = None,
+) -> CheckVerdict:
     """finish = stop: the last token is a stop token and none comes earlier; finish = length: exactly
     max_tokens tokens (or prompt + completion filling max_model_len) and no stop token at all."""
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -708,12 +832,17 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
     group = assignment.samples_per_prompt
     n = len(samples)
     if assignment.num_samples is not None and n != assignment.num_samples:
-        return CheckVerdict("fixed_data", False, (f"{n} samples; the assignment has {assignment.num_samples} "
-                                             f"({assignment.num_samples // max(group, 1)} prompts x {group})",))
+        return CheckVerdict(
+            "fixed_data",
+            False,
+            (
+                f"{n} samples; the assignment has {assignment.num_samples} "
+                f"({assignment.num_samples // max(group, 1)} prompts x {group})",
+            ),
+        )
     if n == 0 or n % group:
         return CheckVerdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
-    prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks,
-                                n // group)
+    prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks, n // group)
     expected_tasks = np.repeat(prompts, group)
     expected_seeds = assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n)
     ids = [s.task_id for s in samples]  # Python ints: a batch's values are compared, never used as indices
@@ -723,12 +852,16 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
     reasons = []
     outside = np.flatnonzero(tasks < 0)
     if len(outside):
-        reasons.append(f"{len(outside)} samples hold task ids outside the task list (0..{assignment.num_tasks - 1}; "
-                       f"sample {outside[0]}: {ids[outside[0]]})")
+        reasons.append(
+            f"{len(outside)} samples hold task ids outside the task list (0..{assignment.num_tasks - 1}; "
+            f"sample {outside[0]}: {ids[outside[0]]})"
+        )
     wrong = np.flatnonzero(tasks != expected_tasks)
     if len(wrong):
-        reasons.append(f"{len(wrong)} samples hold task ids the assignment does not give (sample {wrong[0]}: "
-                       f"{ids[wrong[0]]}, assigned {expected_tasks[wrong[0]]})")
+        reasons.append(
+            f"{len(wrong)} samples hold task ids the assignment does not give (sample {wrong[0]}: "
+            f"{ids[wrong[0]]}, assigned {expected_tasks[wrong[0]]})"
+        )
     if [relabel[g] for g in group_ids] != np.repeat(np.arange(n // group), group).tolist():
         reasons.append(f"group ids do not form {n // group} consecutive groups of {group} samples")
     wrong = [i for i, s in enumerate(samples) if s.seed != expected_seeds[i]]
@@ -738,16 +871,26 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
     expected_targets = np.repeat([length_target(assignment.length_targets, int(x)) for x in group_seeds], group)
     wrong = [i for i, s in enumerate(samples) if s.target_len != expected_targets[i]]
     if wrong:
-        reasons.append(f"{len(wrong)} samples state a length target the assignment does not give (sample "
-                       f"{wrong[0]}: {samples[wrong[0]].target_len}, assigned {expected_targets[wrong[0]]})")
+        reasons.append(
+            f"{len(wrong)} samples state a length target the assignment does not give (sample "
+            f"{wrong[0]}: {samples[wrong[0]].target_len}, assigned {expected_targets[wrong[0]]})"
+        )
     if assignment.prompt_tokens_of is not None:
-        assigned = [i for i, s in enumerate(samples)  # the others failed above
-                    if tasks[i] == expected_tasks[i] and s.target_len == expected_targets[i]]
-        changed = [i for i in assigned if samples[i].prompt_tokens.tolist() !=
-                   list(assignment.prompt_tokens_of(int(expected_tasks[i]), int(expected_targets[i])))]
+        assigned = [
+            i
+            for i, s in enumerate(samples)  # the others failed above
+            if tasks[i] == expected_tasks[i] and s.target_len == expected_targets[i]
+        ]
+        changed = [
+            i
+            for i in assigned
+            if samples[i].prompt_tokens.tolist()
+            != list(assignment.prompt_tokens_of(int(expected_tasks[i]), int(expected_targets[i])))
+        ]
         if changed:
-            reasons.append(f"{len(changed)} samples' prompts differ from their task's prompt (samples "
-                           f"{changed[:_SHOWN]})")
+            reasons.append(
+                f"{len(changed)} samples' prompts differ from their task's prompt (samples {changed[:_SHOWN]})"
+            )
     return CheckVerdict("fixed_data", not reasons, tuple(reasons))
 
 
@@ -764,49 +907,80 @@ def check_reward(sample: Sample, reward_fn: Callable[[Sample], float], atol: flo
     return CheckVerdict("reward", True, numbers=numbers)
 
 
-def validate_batch(samples: Sequence[Sample], prefill: Prefill, declared: Declared,
-                   assignment: AssignedWork | None = None, reward_fn: Callable[[Sample], Any] | None = None,
-                   prefill_samples: int = 32) -> BatchVerdict:
+def validate_batch(
+    samples: Sequence[Sample],
+    prefill: Prefill,
+    declared: Declared,
+    assignment: AssignedWork | None = None,
+    reward_fn: Callable[[Sample], Any] | None = None,
+    prefill_samples: int = 32,
+) -> BatchVerdict:
     """All checks on a batch: fixed data (with an assignment), then per sample termination, computation,
     sampling, replay (when the pool's sampler is replayable: every token the seed's choice, near ties within
     their budgets) and reward (with a reward function). Prefill runs `prefill_samples` samples at a time, so
     the logits held at once stay bounded."""
     batch_checks = (check_fixed_data(samples, assignment),) if assignment is not None else ()
-    verdicts: list[list[CheckVerdict]] = [[check_termination(s.completion_tokens, s.finish, declared.stop_token_ids,
-                                                        declared.max_tokens, len(s.prompt_tokens),
-                                                        declared.max_model_len)] for s in samples]
+    verdicts: list[list[CheckVerdict]] = [
+        [
+            check_termination(
+                s.completion_tokens,
+                s.finish,
+                declared.stop_token_ids,
+                declared.max_tokens,
+                len(s.prompt_tokens),
+                declared.max_model_len,
+            )
+        ]
+        for s in samples
+    ]
     failed = _failed_cheap_check(batch_checks, verdicts)  # the batch is rejected already: no prefill
     runnable = []
     for i, s in enumerate(samples):
         problem = None if failed else _unscorable(s, prefill.vocab_size)
         if failed:
             not_run = (f"not run: batch failed {failed}",)
-            verdicts[i] += [CheckVerdict("computation", False, not_run, ran=False),
-                            CheckVerdict("sampling", False, not_run, ran=False)]
+            verdicts[i] += [
+                CheckVerdict("computation", False, not_run, ran=False),
+                CheckVerdict("sampling", False, not_run, ran=False),
+            ]
         elif problem:
             verdicts[i] += [CheckVerdict("computation", False, (problem,)), CheckVerdict("sampling", False, (problem,))]
         else:
             runnable.append(i)
     for start in range(0, len(runnable), prefill_samples):
-        part = runnable[start:start + prefill_samples]
-        results = prefill.run([(samples[i].prompt_tokens.tolist(), samples[i].completion_tokens.tolist())
-                               for i in part])
-        computation = check_computation_batch([(samples[i].proofs, result.hidden) for i, result in zip(part, results)],
-                                              declared.thresholds, declared.chunk, declared.topk)
-        sampling = check_sampling_batch([(samples[i].completion_tokens, samples[i].logprobs, result.logits)
-                                         for i, result in zip(part, results)], declared.temperature,
-                                        declared.top_p, declared.tolerance, declared.dtype)
+        part = runnable[start : start + prefill_samples]
+        results = prefill.run(
+            [(samples[i].prompt_tokens.tolist(), samples[i].completion_tokens.tolist()) for i in part]
+        )
+        computation = check_computation_batch(
+            [(samples[i].proofs, result.hidden) for i, result in zip(part, results)],
+            declared.thresholds,
+            declared.chunk,
+            declared.topk,
+        )
+        sampling = check_sampling_batch(
+            [(samples[i].completion_tokens, samples[i].logprobs, result.logits) for i, result in zip(part, results)],
+            declared.temperature,
+            declared.top_p,
+            declared.tolerance,
+            declared.dtype,
+        )
         for i, *checked in zip(part, computation, sampling):
             verdicts[i] += checked
         if declared.sampler == "replayable":
-            replayed = check_replay_batch([(samples[i].completion_tokens, result.logits, samples[i].seed)
-                                           for i, result in zip(part, results)], declared.temperature,
-                                          declared.top_p, declared.tolerance, declared.dtype)
+            replayed = check_replay_batch(
+                [(samples[i].completion_tokens, result.logits, samples[i].seed) for i, result in zip(part, results)],
+                declared.temperature,
+                declared.top_p,
+                declared.tolerance,
+                declared.dtype,
+            )
             for i, verdict in zip(part, replayed):
                 verdicts[i].append(verdict)
     if declared.sampler == "replayable":
-        batch_checks += (check_near_tie_budget([v for vs in verdicts for v in vs if v.check == "replay"],
-                                               declared.tolerance),)
+        batch_checks += (
+            check_near_tie_budget([v for vs in verdicts for v in vs if v.check == "replay"], declared.tolerance),
+        )
     if reward_fn is not None:
         for i, s in enumerate(samples):
             verdicts[i].append(check_reward(s, reward_fn))
@@ -826,8 +1000,10 @@ def _unscorable(sample: Sample, vocab_size: int) -> str | None:
     """Why the sample cannot be prefilled (empty prompt or completion, a token id outside the vocab)."""
     tokens = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
     if len(sample.prompt_tokens) == 0 or len(sample.completion_tokens) == 0:
-        return f"cannot recompute: {len(sample.prompt_tokens)} prompt and {len(sample.completion_tokens)} " \
-               "completion tokens"
+        return (
+            f"cannot recompute: {len(sample.prompt_tokens)} prompt and {len(sample.completion_tokens)} "
+            "completion tokens"
+        )
     if np.any((tokens < 0) | (tokens >= vocab_size)):
         return f"cannot recompute: token ids outside the vocab (0..{vocab_size - 1})"
     return None

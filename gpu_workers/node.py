@@ -51,8 +51,10 @@ class Stop:
     def _handle(self, signum, _frame) -> None:
         if self.event.is_set():
             raise KeyboardInterrupt
-        log.info("%s: finishing the work in hand, then leaving the pool (signal again to exit now)",
-                 signal.Signals(signum).name)
+        log.info(
+            "%s: finishing the work in hand, then leaving the pool (signal again to exit now)",
+            signal.Signals(signum).name,
+        )
         self.event.set()
 
     def __bool__(self) -> bool:
@@ -69,9 +71,13 @@ def hardware_report() -> HardwareReport:
 
     report = HardwareReport.this_machine_cpu_only()
     if torch.cuda.is_available():
-        gpus = [GpuInfo(name=torch.cuda.get_device_name(i)[:64],
-                        memory_gib=torch.cuda.get_device_properties(i).total_memory / 2**30)
-                for i in range(torch.cuda.device_count())]
+        gpus = [
+            GpuInfo(
+                name=torch.cuda.get_device_name(i)[:64],
+                memory_gib=torch.cuda.get_device_properties(i).total_memory / 2**30,
+            )
+            for i in range(torch.cuda.device_count())
+        ]
         report = report.model_copy(update={"gpus": gpus})
     return report
 
@@ -102,8 +108,9 @@ def join(client: OrchestratorClient, role: str, hardware: HardwareReport) -> Reg
         reply = client.register(role, hardware, challenge_answer=answer)
     if reply.status != "admitted":
         raise NodeRefused(f"{client.base_url} refused this {role}: {'; '.join(reply.reasons) or reply.status}")
-    log.info("joined %s as %s %s... (policy version %d)", client.base_url, role, reply.node_key[:16],
-             reply.policy.version)
+    log.info(
+        "joined %s as %s %s... (policy version %d)", client.base_url, role, reply.node_key[:16], reply.policy.version
+    )
     return reply
 
 
@@ -111,9 +118,15 @@ def _retryable(err: OrchestratorError) -> bool:
     return err.status == 0 or err.status == 429 or err.status >= 500
 
 
-def patiently(call: Callable[[], T], stop: Stop, what: str, rejoin: Callable[[], object] | None = None,
-              transient: tuple[type[BaseException], ...] = (), max_delay_s: float = 30.0,
-              attempts: int | None = None) -> T | None:
+def patiently(
+    call: Callable[[], T],
+    stop: Stop,
+    what: str,
+    rejoin: Callable[[], object] | None = None,
+    transient: tuple[type[BaseException], ...] = (),
+    max_delay_s: float = 30.0,
+    attempts: int | None = None,
+) -> T | None:
     """`call()` until it succeeds; None if a stop was requested first. See the module docstring.
 
     Besides the orchestrator's retryable answers, exceptions of the `transient` types (a store or a relay

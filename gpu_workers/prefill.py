@@ -37,8 +37,9 @@ class Prefilled:
 class Prefill:
     """A loaded HF model that recomputes hidden states and logits of (prompt, completion) pairs."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu",
-                 batch_tokens: int = 8192) -> None:
+    def __init__(
+        self, model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu", batch_tokens: int = 8192
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -62,8 +63,10 @@ class Prefill:
 
         for i, (prompt, completion) in enumerate(samples):
             if len(prompt) == 0 or len(completion) == 0:
-                raise ValueError(f"sample {i}: prompt ({len(prompt)} tokens) and completion ({len(completion)} "
-                                 "tokens) must both be non-empty")
+                raise ValueError(
+                    f"sample {i}: prompt ({len(prompt)} tokens) and completion ({len(completion)} "
+                    "tokens) must both be non-empty"
+                )
             bad = [t for t in (*prompt, *completion) if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"sample {i}: token ids {bad[:5]} lie outside the vocab (0..{self.vocab_size - 1})")
@@ -75,12 +78,15 @@ class Prefill:
                 mask = torch.zeros(len(batch), width, dtype=torch.long)
                 for row, i in enumerate(batch):
                     seq = list(samples[i][0]) + list(samples[i][1])
-                    ids[row, :len(seq)] = torch.tensor(seq)
-                    mask[row, :len(seq)] = 1
-                states = self.decoder(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      use_cache=False).last_hidden_state
-                hidden = [states[row, len(samples[i][0]) - 1:len(samples[i][0]) - 1 + len(samples[i][1])]
-                          for row, i in enumerate(batch)]
+                    ids[row, : len(seq)] = torch.tensor(seq)
+                    mask[row, : len(seq)] = 1
+                states = self.decoder(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
+                ).last_hidden_state
+                hidden = [
+                    states[row, len(samples[i][0]) - 1 : len(samples[i][0]) - 1 + len(samples[i][1])]
+                    for row, i in enumerate(batch)
+                ]
                 # one LM head matmul over the batch's completion rows, then split per sample
                 logits = self.head(torch.cat(hidden)).float().cpu().split([len(h) for h in hidden])
                 for i, h, z in zip(batch, hidden, logits):

@@ -74,11 +74,11 @@ def _token_hash(key: torch.Tensor, second: torch.Tensor, tokens: torch.Tensor) -
 def _gumbel(bits: torch.Tensor) -> torch.Tensor:
     import torch
 
-    u = (bits.to(torch.float32) + 0.5) * (2.0 ** -23)  # in [2^-24, 1 - 2^-24], exact in float32
+    u = (bits.to(torch.float32) + 0.5) * (2.0**-23)  # in [2^-24, 1 - 2^-24], exact in float32
     return -torch.log(-torch.log(u))
 
 
-GUMBEL_MAX = -math.log(-math.log1p(-(2.0 ** -24)))
+GUMBEL_MAX = -math.log(-math.log1p(-(2.0**-24)))
 """The largest noise value (u = 1 - 2^-24): a token whose processed logit is more than this (plus the least
 noise of the top token) below the top token can never win, so only the tokens above that bound are hashed."""
 _BOUND_SLACK = 1e-3  # float32 logs of different libraries differ by an ulp; the pruning bound gives them room
@@ -107,8 +107,9 @@ def noise_at(seeds: Sequence[int], positions: Sequence[int], tokens: torch.Tenso
     return _gumbel(_token_hash(key, second, tokens.to(torch.int64)))
 
 
-def noisy_max(processed_logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def noisy_max(
+    processed_logits: torch.Tensor, seeds: Sequence[int], positions: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `processed_logits` [B, vocab] (float32 logits / temperature, -inf outside the kept tokens):
     the token with the highest z + g and that score, (int64 [B], float32 [B]).
 

@@ -37,8 +37,9 @@ def hf_forward(model_dir: str | Path, sequences: list[list[int]], dtype: str = "
     with torch.no_grad():
         for tokens in sequences:
             out = model(torch.tensor([tokens], dtype=torch.long), output_hidden_states=True, use_cache=False)
-            outputs.append(HFOutput(logits=out.logits[0].float().numpy(),
-                                    hidden=out.hidden_states[-1][0].float().numpy()))
+            outputs.append(
+                HFOutput(logits=out.logits[0].float().numpy(), hidden=out.hidden_states[-1][0].float().numpy())
+            )
     return outputs
 
 
@@ -54,8 +55,13 @@ def token_logprobs_from_logits(logits: np.ndarray, tokens: list[int] | np.ndarra
     return logits[np.arange(len(targets)), targets] - log_z
 
 
-def vllm_prompt_logprobs(model_dir: str | Path, sequences: list[list[int]], dtype: str = "float32",
-                         max_model_len: int | None = None, seed: int = 0) -> list[np.ndarray]:
+def vllm_prompt_logprobs(
+    model_dir: str | Path,
+    sequences: list[list[int]],
+    dtype: str = "float32",
+    max_model_len: int | None = None,
+    seed: int = 0,
+) -> list[np.ndarray]:
     """Score each sequence as a vLLM prompt: float32 [len-1], the logprob of token t given tokens < t.
 
     Starts an in-process engine (`enforce_eager`; set `VLLM_ENABLE_V1_MULTIPROCESSING=0` and a small
@@ -68,17 +74,26 @@ def vllm_prompt_logprobs(model_dir: str | Path, sequences: list[list[int]], dtyp
 
     if any(len(tokens) < 2 for tokens in sequences):
         raise ValueError("every sequence needs at least 2 tokens to have a prompt logprob")
-    llm = LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, seed=seed,
-              max_model_len=max_model_len or max(len(tokens) for tokens in sequences) + 1,
-              enable_prefix_caching=False)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        seed=seed,
+        max_model_len=max_model_len or max(len(tokens) for tokens in sequences) + 1,
+        enable_prefix_caching=False,
+    )
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-        results = llm.generate([TokensPrompt(prompt_token_ids=list(tokens)) for tokens in sequences],
-                               params, use_tqdm=False)
+        results = llm.generate(
+            [TokensPrompt(prompt_token_ids=list(tokens)) for tokens in sequences], params, use_tqdm=False
+        )
         # prompt_logprobs[0] is None (no context); entry t maps token ids to Logprob and holds tokens[t].
-        return [np.array([entry[token].logprob for entry, token in zip(result.prompt_logprobs[1:], tokens[1:])],
-                         dtype=np.float32)
-                for result, tokens in zip(results, sequences)]
+        return [
+            np.array(
+                [entry[token].logprob for entry, token in zip(result.prompt_logprobs[1:], tokens[1:])], dtype=np.float32
+            )
+            for result, tokens in zip(results, sequences)
+        ]
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

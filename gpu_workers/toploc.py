@@ -70,8 +70,11 @@ class Thresholds:
     def accepts(self, checks: list[ChunkCheck]) -> bool:
         """True when there is at least one check and every one is within all three limits."""
         return len(checks) > 0 and all(
-            c.exp_mismatches <= self.max_exp_mismatches and c.mant_err_mean <= self.max_mant_err_mean
-            and c.mant_err_median <= self.max_mant_err_median for c in checks)
+            c.exp_mismatches <= self.max_exp_mismatches
+            and c.mant_err_mean <= self.max_mant_err_mean
+            and c.mant_err_median <= self.max_mant_err_median
+            for c in checks
+        )
 
 
 def build_proofs(hidden, chunk: int = 32, topk: int = 128) -> list[bytes]:
@@ -101,12 +104,12 @@ def build_proofs_batch(hiddens: list, chunk: int = 32, topk: int = 128) -> list[
         all_values = np.concatenate([g[2] for g in group])
         all_slots = [first + row for first, rows, _ in group for row in range(len(rows))]
         for start in range(0, len(all_slots), _BATCH_CHUNKS):
-            indices = all_indices[start:start + _BATCH_CHUNKS]
+            indices = all_indices[start : start + _BATCH_CHUNKS]
             moduli = _injective_moduli(indices)
-            values = all_values[start:start + _BATCH_CHUNKS].astype(np.int64) % PRIME
+            values = all_values[start : start + _BATCH_CHUNKS].astype(np.int64) % PRIME
             coeffs = _interpolate(indices % moduli[:, None], values)
             words = np.concatenate([moduli[:, None], coeffs], axis=1).astype(">u2")
-            for at, row in zip(all_slots[start:start + _BATCH_CHUNKS], words):
+            for at, row in zip(all_slots[start : start + _BATCH_CHUNKS], words):
                 sample, position = where[at]
                 proofs[sample][position] = row.tobytes()
     return proofs
@@ -121,8 +124,9 @@ def verify_proofs(hidden, proofs: list[bytes], chunk: int = 32, topk: int = 128)
     return verify_proofs_batch([hidden], [proofs], chunk, topk)[0]
 
 
-def verify_proofs_batch(hiddens: list, proofs: list[list[bytes]], chunk: int = 32, topk: int = 128
-                        ) -> list[list[ChunkCheck]]:
+def verify_proofs_batch(
+    hiddens: list, proofs: list[list[bytes]], chunk: int = 32, topk: int = 128
+) -> list[list[ChunkCheck]]:
     """`verify_proofs` of several samples (hiddens[i] against proofs[i]): the polynomial evaluations of all
     their chunks run as one batch, which costs about what one sample's do (k vectorised passes)."""
     bits = [_as_bits(hidden) for hidden in hiddens]
@@ -140,8 +144,11 @@ def verify_proofs_batch(hiddens: list, proofs: list[list[bytes]], chunk: int = 3
         for flat in _chunk_groups(sample_bits, chunk):
             first = len(checks)
             checks += [ChunkCheck(topk, NO_MATCH, NO_MATCH)] * len(flat)
-            rows = [r for r in range(min(len(flat), len(sample_proofs) - first))
-                    if _well_formed(sample_proofs[first + r], min(topk, flat.shape[1]))]
+            rows = [
+                r
+                for r in range(min(len(flat), len(sample_proofs) - first))
+                if _well_formed(sample_proofs[first + r], min(topk, flat.shape[1]))
+            ]
             if not rows:
                 continue
             words = np.frombuffer(b"".join(bytes(sample_proofs[first + r]) for r in rows), dtype=">u2")
@@ -152,7 +159,8 @@ def verify_proofs_batch(hiddens: list, proofs: list[list[bytes]], chunk: int = 3
                 continue
             indices = _topk_indices(flat, topk)[rows]
             pending.setdefault(words.shape[1], []).append(
-                (len(results), first, rows, words, flat[rows[:, None], indices].astype(np.int64), indices))
+                (len(results), first, rows, words, flat[rows[:, None], indices].astype(np.int64), indices)
+            )
         checks += [ChunkCheck(topk, NO_MATCH, NO_MATCH)] * (len(sample_proofs) - len(checks))
         results.append(checks)
     for group in pending.values():
@@ -178,8 +186,10 @@ def split_proofs(blob: bytes, rows: int, hidden_size: int, chunk: int = 32, topk
     """
     sizes = proof_sizes(rows, hidden_size, chunk, topk)
     if len(blob) != sum(sizes):
-        raise ValueError(f"proofs: {len(blob)} bytes, but {rows} decode steps of hidden size {hidden_size} need "
-                         f"{sum(sizes)} ({len(sizes)} chunks of up to {chunk} rows)")
+        raise ValueError(
+            f"proofs: {len(blob)} bytes, but {rows} decode steps of hidden size {hidden_size} need "
+            f"{sum(sizes)} ({len(sizes)} chunks of up to {chunk} rows)"
+        )
     offsets = np.cumsum([0, *sizes]).tolist()
     return [bytes(blob[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
@@ -197,8 +207,9 @@ def _as_bits(hidden) -> np.ndarray:
         elif hidden.dtype.name == "bfloat16":
             bits = hidden.view(np.uint16)
         else:
-            raise ValueError(f"hidden: expected uint16 bf16 bit patterns (or ml_dtypes bfloat16), "
-                             f"got numpy {hidden.dtype}")
+            raise ValueError(
+                f"hidden: expected uint16 bf16 bit patterns (or ml_dtypes bfloat16), got numpy {hidden.dtype}"
+            )
     else:
         raise ValueError(f"hidden: expected a torch bf16 tensor or a numpy uint16 array, got {type(hidden)}")
     if bits.ndim != 2:
@@ -219,10 +230,12 @@ def _chunk_groups(bits: np.ndarray, chunk: int, most: int = 64) -> list[np.ndarr
     (bounding the memory of a batch), then the shorter last block, if any, as [1, rest * H]."""
     rows, width = bits.shape
     full = rows // chunk
-    groups = [bits[start * chunk:min(start + most, full) * chunk].reshape(-1, chunk * width)
-              for start in range(0, full, most)]
+    groups = [
+        bits[start * chunk : min(start + most, full) * chunk].reshape(-1, chunk * width)
+        for start in range(0, full, most)
+    ]
     if rows > full * chunk:
-        groups.append(bits[full * chunk:].reshape(1, -1))
+        groups.append(bits[full * chunk :].reshape(1, -1))
     return groups
 
 
@@ -299,7 +312,7 @@ def _interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     k = x.shape[1]
     dd = y.copy()
     for level in range(1, k):  # dd[m] = (dd[m] - dd[m - 1]) / (x_m - x_{m - level}) for m >= level
-        dd[:, level:] = (dd[:, level:] - dd[:, level - 1:-1]) * inverse[x[:, level:] - x[:, :-level]]
+        dd[:, level:] = (dd[:, level:] - dd[:, level - 1 : -1]) * inverse[x[:, level:] - x[:, :-level]]
         if level % 2 == 0 or level == k - 1:
             dd[:, level:] %= PRIME
     dd %= PRIME
@@ -307,9 +320,9 @@ def _interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     padded[:, 1] = dd[:, k - 1]
     for i in range(k - 2, -1, -1):  # coeffs = coeffs * (X - x_i) + dd_i, now of degree k - 1 - i
         top = k - i
-        raw = padded[:, :top] - x[:, i:i + 1] * padded[:, 1:top + 1]
+        raw = padded[:, :top] - x[:, i : i + 1] * padded[:, 1 : top + 1]
         raw[:, 0] += dd[:, i]
-        padded[:, 1:top + 1] = raw % PRIME if i % 2 == 0 else raw
+        padded[:, 1 : top + 1] = raw % PRIME if i % 2 == 0 else raw
     return padded[:, 1:]
 
 
@@ -320,7 +333,7 @@ def _evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
     result = np.repeat(coeffs[:, -1:], x.shape[1], axis=1)
     for step, i in enumerate(range(coeffs.shape[1] - 2, -1, -1)):
         np.multiply(result, x, out=result)
-        np.add(result, coeffs[:, i:i + 1], out=result)
+        np.add(result, coeffs[:, i : i + 1], out=result)
         if step % 2 or i == 0:
             np.remainder(result, PRIME, out=result)
     return result
@@ -345,6 +358,9 @@ def _compare(claimed: np.ndarray, actual: np.ndarray) -> list[ChunkCheck]:
         if count == 0:
             checks.append(ChunkCheck(claimed.shape[1], NO_MATCH, NO_MATCH))
         else:
-            checks.append(ChunkCheck(claimed.shape[1] - count, float(errors[row, :count].sum()) / count,
-                                     float(errors[row, count // 2])))
+            checks.append(
+                ChunkCheck(
+                    claimed.shape[1] - count, float(errors[row, :count].sum()) / count, float(errors[row, count // 2])
+                )
+            )
     return checks

@@ -73,19 +73,38 @@ class _Loaded:
 class Validator:
     UNPOSTABLE_S = 60.0  # a batch the orchestrator took no verdict on is not judged again for this long
 
-    def __init__(self, config: ValidatorConfig, worker: WorkerConfig, data: DataConfig, shardcast: ShardcastConfig,
-                 tasks: TaskDataset, *, key_path: Path, weights_dir: Path, store: str, servers: Sequence[str] = (),
-                 stop: Stop | None = None, idle_poll_s: float = 1.0):
+    def __init__(
+        self,
+        config: ValidatorConfig,
+        worker: WorkerConfig,
+        data: DataConfig,
+        shardcast: ShardcastConfig,
+        tasks: TaskDataset,
+        *,
+        key_path: Path,
+        weights_dir: Path,
+        store: str,
+        servers: Sequence[str] = (),
+        stop: Stop | None = None,
+        idle_poll_s: float = 1.0,
+    ):
         """`config`: this validator's section; `worker`: the pool's sampling (temperature, top_p, max_tokens,
         sampler, dtype) that batches are held to; `data`: the pool's group size, lengths, length rewards and
         system prompt; `shardcast`: how weights are fetched. Resolved locations as for `Worker`."""
         self.config, self.worker, self.data, self.shardcast = config, worker, data, shardcast
         cap = completion_cap(worker, data)
         self.declared = checks.Declared(  # the stop tokens are each version's own (`_judge`)
-            temperature=worker.temperature, top_p=worker.top_p, max_tokens=cap, stop_token_ids=frozenset(),
-            max_model_len=data.max_prompt_len + cap, sampler=worker.sampler, dtype=worker.dtype,
-            thresholds=Thresholds(config.max_exp_mismatches, config.max_mantissa_err_mean,
-                                  config.max_mantissa_err_median))
+            temperature=worker.temperature,
+            top_p=worker.top_p,
+            max_tokens=cap,
+            stop_token_ids=frozenset(),
+            max_model_len=data.max_prompt_len + cap,
+            sampler=worker.sampler,
+            dtype=worker.dtype,
+            thresholds=Thresholds(
+                config.max_exp_mismatches, config.max_mantissa_err_mean, config.max_mantissa_err_median
+            ),
+        )
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.tasks = tasks
         self.stop = stop or Stop()
@@ -115,8 +134,11 @@ class Validator:
             if pin is None or held_manifest_sha256(path) == pin:
                 self.loaded.move_to_end(version)
                 return self.loaded[version]
-            log.warning("version %d was loaded from another manifest than the announced %s: fetching it again",
-                        version, pin[:12])
+            log.warning(
+                "version %d was loaded from another manifest than the announced %s: fetching it again",
+                version,
+                pin[:12],
+            )
             del self.loaded[version]
         from transformers import AutoTokenizer
 
@@ -128,11 +150,15 @@ class Validator:
         client = self._shardcast
         if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
-                servers, timeout=self.shardcast.timeout_s, direct_io=self.shardcast.direct_io,
-                buffer_bytes=self.shardcast.buffer_mib << 20)
+                servers,
+                timeout=self.shardcast.timeout_s,
+                direct_io=self.shardcast.direct_io,
+                buffer_bytes=self.shardcast.buffer_mib << 20,
+            )
         path = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s, manifest_sha256=pin).path
-        loaded = _Loaded(Prefill(path, self.config.dtype), AutoTokenizer.from_pretrained(path),
-                         checks.stop_token_ids(path))
+        loaded = _Loaded(
+            Prefill(path, self.config.dtype), AutoTokenizer.from_pretrained(path), checks.stop_token_ids(path)
+        )
         self.loaded[version] = loaded
         while len(self.loaded) > self.config.cache_versions:
             old, _ = self.loaded.popitem(last=False)
@@ -155,8 +181,9 @@ class Validator:
         if key not in self._prompt_cache:
             if len(self._prompt_cache) > 100_000:
                 self._prompt_cache.clear()
-            self._prompt_cache[key] = prompt_tokens(self._task(task_id), loaded.tokenizer, target,
-                                                    self.data.system_prompt)
+            self._prompt_cache[key] = prompt_tokens(
+                self._task(task_id), loaded.tokenizer, target, self.data.system_prompt
+            )
         return self._prompt_cache[key]
 
     def judge(self, record: BatchRecord) -> Verdict:
@@ -166,56 +193,92 @@ class Validator:
         where = f"batch {record.batch_id} (version {record.version})"
         expected_url = self.store.batch_url(record.version, record.batch_id)
         if record.store_path.rstrip("/") != expected_url.rstrip("/"):
-            return Verdict(accepted=False, failed_checks=["store"], num_tokens=0,
-                           reason=f"{where}: announced at {record.store_path}, not in the pool's store "
-                                  f"({expected_url})")
+            return Verdict(
+                accepted=False,
+                failed_checks=["store"],
+                num_tokens=0,
+                reason=f"{where}: announced at {record.store_path}, not in the pool's store ({expected_url})",
+            )
         loaded = self._version(record.version)
         try:
             return self._judge(record, loaded, where)
         except (ShardcastError, OSError):
             raise
         except Exception as err:  # a bug the batch's content triggers: the batch is rejected, not the validator
-            log.exception("%s from %s...: the checks raised on this batch; rejecting it", where,
-                          record.node_key[:16])
-            return Verdict(accepted=False, failed_checks=["validator"], num_tokens=0,
-                           reason=_reason(f"{where}: the validator's checks raised on this batch: "
-                                          f"{type(err).__name__}: {err}"))
+            log.exception("%s from %s...: the checks raised on this batch; rejecting it", where, record.node_key[:16])
+            return Verdict(
+                accepted=False,
+                failed_checks=["validator"],
+                num_tokens=0,
+                reason=_reason(f"{where}: the validator's checks raised on this batch: {type(err).__name__}: {err}"),
+            )
 
     def _judge(self, record: BatchRecord, loaded: _Loaded, where: str) -> Verdict:
         declared = dataclasses.replace(self.declared, stop_token_ids=loaded.stop_token_ids)
         try:  # the claim's num_samples is the assignment's: the orchestrator refused any other at announcement
             limits = ReadLimits.for_assignment(record.num_samples, declared.max_tokens, declared.max_model_len)
-            batch = self.store.read(record.version, record.batch_id, vocab_size=loaded.prefill.vocab_size,
-                                    expect_sha256=record.sha256, limits=limits)
+            batch = self.store.read(
+                record.version,
+                record.batch_id,
+                vocab_size=loaded.prefill.vocab_size,
+                expect_sha256=record.sha256,
+                limits=limits,
+            )
             samples = checks.samples_from_arrays(batch.arrays())
         except (RolloutStoreError, ValueError) as err:
             return Verdict(accepted=False, failed_checks=["store"], num_tokens=0, reason=_reason(f"{where}: {err}"))
         if batch.meta.node_key != record.node_key or int(batch.meta.version) != record.version:
-            return Verdict(accepted=False, failed_checks=["store"], num_tokens=int(len(batch.tokens)),
-                           reason=f"{where}: meta.json names node {batch.meta.node_key[:16]}... version "
-                                  f"{batch.meta.version}, the announcement another")
+            return Verdict(
+                accepted=False,
+                failed_checks=["store"],
+                num_tokens=int(len(batch.tokens)),
+                reason=f"{where}: meta.json names node {batch.meta.node_key[:16]}... version "
+                f"{batch.meta.version}, the announcement another",
+            )
         assignment = checks.AssignedWork(
-            node_key=record.node_key, version=record.version, k=record.assignment_k, num_tasks=len(self.tasks),
+            node_key=record.node_key,
+            version=record.version,
+            k=record.assignment_k,
+            num_tasks=len(self.tasks),
             samples_per_prompt=self.data.samples_per_prompt,
             prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),
-            length_targets=tuple(self.data.length_targets), num_samples=record.num_samples)
+            length_targets=tuple(self.data.length_targets),
+            num_samples=record.num_samples,
+        )
 
         def reward(sample: checks.Sample) -> float:
             task = self._task(sample.task_id)  # check_reward turns its ValueError into a reason
             text = loaded.tokenizer.decode(sample.completion_tokens.tolist(), skip_special_tokens=True)
-            return sample_reward(task, text, len(sample.completion_tokens), sample.target_len,
-                                 self.data.length_penalty, self.data.length_mode).value
+            return sample_reward(
+                task,
+                text,
+                len(sample.completion_tokens),
+                sample.target_len,
+                self.data.length_penalty,
+                self.data.length_mode,
+            ).value
 
         result = checks.validate_batch(samples, loaded.prefill, declared, assignment, reward)
         failed = result.failed_checks()
         rewards = [0.0 if r is None else float(r) for r in result.rewards()]
         summary = result.summary()
-        log.info("%s from %s...: %s %s worst %s", where, record.node_key[:16],
-                 "ACCEPTED" if result.accepted else "REJECTED", failed or "", summary["worst"])
+        log.info(
+            "%s from %s...: %s %s worst %s",
+            where,
+            record.node_key[:16],
+            "ACCEPTED" if result.accepted else "REJECTED",
+            failed or "",
+            summary["worst"],
+        )
         if result.accepted:
             return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)))
-        return Verdict(accepted=False, failed_checks=sorted(failed), reason=_reason("; ".join(result.reasons(8))),
-                       rewards=rewards, num_tokens=int(len(batch.tokens)))
+        return Verdict(
+            accepted=False,
+            failed_checks=sorted(failed),
+            reason=_reason("; ".join(result.reasons(8))),
+            rewards=rewards,
+            num_tokens=int(len(batch.tokens)),
+        )
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -234,16 +297,18 @@ class Validator:
         try:
             while not self.stop:
                 if time.monotonic() - last_beat >= self.interval:
-                    beat = patiently(lambda: self.client.heartbeat([], self._metrics()), self.stop, "heartbeat",
-                                     rejoin=self._join)
+                    beat = patiently(
+                        lambda: self.client.heartbeat([], self._metrics()), self.stop, "heartbeat", rejoin=self._join
+                    )
                     if beat is None:
                         break
                     self.relays = list(beat.policy.relays)
                     self._pin(beat.policy.manifests)
                     last_beat = time.monotonic()
                     touch(self.config.health_file)
-                claim = patiently(lambda: self.client.claim(self.config.lease_s), self.stop, "claiming",
-                                  rejoin=self._join)
+                claim = patiently(
+                    lambda: self.client.claim(self.config.lease_s), self.stop, "claiming", rejoin=self._join
+                )
                 if claim is None:
                     break
                 if claim.batch is None or self._refused_lately(claim.batch.batch_id):
@@ -262,8 +327,13 @@ class Validator:
     def _validate(self, record: BatchRecord) -> None:
         t0 = time.perf_counter()
         try:
-            verdict = patiently(lambda: self.judge(record), self.stop, f"validating {record.batch_id}",
-                                transient=(ShardcastError, OSError), attempts=5)
+            verdict = patiently(
+                lambda: self.judge(record),
+                self.stop,
+                f"validating {record.batch_id}",
+                transient=(ShardcastError, OSError),
+                attempts=5,
+            )
         except (ShardcastError, OSError) as err:  # not the worker's fault: no verdict; the lease runs out
             log.error("giving up on %s for now: %s", record.batch_id, err)
             return
@@ -279,9 +349,14 @@ class Validator:
         st["samples"] += record.num_samples
         st["seconds"] += seconds
         if posted is not None:
-            log.info("verdict on %s posted in %.2f s (%.1f samples/s); %d accepted, %d rejected so far",
-                     record.batch_id, seconds, record.num_samples / max(seconds, 1e-9), st["accepted"],
-                     st["rejected"])
+            log.info(
+                "verdict on %s posted in %.2f s (%.1f samples/s); %d accepted, %d rejected so far",
+                record.batch_id,
+                seconds,
+                record.num_samples / max(seconds, 1e-9),
+                st["accepted"],
+                st["rejected"],
+            )
 
     def _refused_lately(self, batch_id: str) -> bool:
         """Whether the orchestrator refused every verdict on this batch less than `UNPOSTABLE_S` ago."""
@@ -300,25 +375,40 @@ class Validator:
         batch is not judged again by this validator for `UNPOSTABLE_S` (a claim of it is skipped meanwhile)."""
         what = f"verdict on {record.batch_id}"
         try:
-            return patiently(lambda: self.client.verdict(record.batch_id, verdict), self.stop, what,
-                             rejoin=self._join), verdict
+            return patiently(
+                lambda: self.client.verdict(record.batch_id, verdict), self.stop, what, rejoin=self._join
+            ), verdict
         except OrchestratorError as err:
-            log.error("the orchestrator refused the %s of %s: %s", "acceptance" if verdict.accepted else
-                      "rejection", record.batch_id, err)
+            log.error(
+                "the orchestrator refused the %s of %s: %s",
+                "acceptance" if verdict.accepted else "rejection",
+                record.batch_id,
+                err,
+            )
             if err.status in (404, 409):
                 return None, None
             refusal = err
         kind = "acceptance" if verdict.accepted else "rejection"
-        bare = Verdict(accepted=False, failed_checks=verdict.failed_checks or ["verdict"],
-                       num_tokens=verdict.num_tokens,
-                       reason=_reason(f"batch {record.batch_id}: the orchestrator refused the validator's {kind} "
-                                      f"(HTTP {refusal.status}: {refusal.detail}); {verdict.reason}"))
+        bare = Verdict(
+            accepted=False,
+            failed_checks=verdict.failed_checks or ["verdict"],
+            num_tokens=verdict.num_tokens,
+            reason=_reason(
+                f"batch {record.batch_id}: the orchestrator refused the validator's {kind} "
+                f"(HTTP {refusal.status}: {refusal.detail}); {verdict.reason}"
+            ),
+        )
         try:
-            return patiently(lambda: self.client.verdict(record.batch_id, bare), self.stop, what,
-                             rejoin=self._join), bare
+            return patiently(
+                lambda: self.client.verdict(record.batch_id, bare), self.stop, what, rejoin=self._join
+            ), bare
         except OrchestratorError as err:
-            log.error("the orchestrator refused a bare rejection of %s too (%s); not judging it again for %.0f s",
-                      record.batch_id, err, self.UNPOSTABLE_S)
+            log.error(
+                "the orchestrator refused a bare rejection of %s too (%s); not judging it again for %.0f s",
+                record.batch_id,
+                err,
+                self.UNPOSTABLE_S,
+            )
             if len(self._unpostable) > 10_000:
                 self._unpostable.clear()
             self._unpostable[record.batch_id] = time.monotonic()
@@ -326,8 +416,12 @@ class Validator:
 
     def _metrics(self) -> dict[str, float]:
         st = self.stats
-        return {"batches": st["batches"], "accepted": st["accepted"], "rejected": st["rejected"],
-                "samples_per_s": st["samples"] / st["seconds"] if st["seconds"] else 0.0}
+        return {
+            "batches": st["batches"],
+            "accepted": st["accepted"],
+            "rejected": st["rejected"],
+            "samples_per_s": st["samples"] / st["seconds"] if st["seconds"] else 0.0,
+        }
 
     def _leave(self) -> None:
         leave(self.client)

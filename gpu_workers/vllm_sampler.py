@@ -49,8 +49,10 @@ class ReplayableSampler(Sampler):
         for i, req_id in enumerate(req_ids):
             seed = self.runner.requests[req_id].sampling_params.seed
             if random_rows[i] and seed is None:
-                raise RuntimeError(f"replayable sampler: request {req_id} has no seed; every sampled request "
-                                   "needs SamplingParams(seed=...) (the pool's assigned seed)")
+                raise RuntimeError(
+                    f"replayable sampler: request {req_id} has no seed; every sampled request "
+                    "needs SamplingParams(seed=...) (the pool's assigned seed)"
+                )
             seeds.append(seed or 0)
             positions.append(int(batch.num_tokens_no_spec[i] - batch.num_prompt_tokens[i]))
         temperature = torch.where(md.temperature < _GREEDY_EPS, 1.0, md.temperature)

@@ -54,15 +54,28 @@ def pinned_manifest(policy: PolicyInfo | None, version: int) -> str | None:
     if policy is None or not policy.manifests:
         return None
     if version not in policy.manifests:
-        raise ShardcastError(f"version {version} has no announced manifest sha256 (the policy pins "
-                             f"{sorted(policy.manifests)}); not fetching it unpinned")
+        raise ShardcastError(
+            f"version {version} has no announced manifest sha256 (the policy pins "
+            f"{sorted(policy.manifests)}); not fetching it unpinned"
+        )
     return policy.manifests[version]
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, data: DataConfig, shardcast: ShardcastConfig, tasks: TaskDataset, *,
-                 key_path: Path, weights_dir: Path, store: str, servers: Sequence[str] = (),
-                 stop: Stop | None = None, idle_poll_s: float = 1.0):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        data: DataConfig,
+        shardcast: ShardcastConfig,
+        tasks: TaskDataset,
+        *,
+        key_path: Path,
+        weights_dir: Path,
+        store: str,
+        servers: Sequence[str] = (),
+        stop: Stop | None = None,
+        idle_poll_s: float = 1.0,
+    ):
         """`config`: this worker's section; `data`: the pool's group lengths, length rewards and system prompt;
         `shardcast`: how weights are fetched (`timeout_s`, `patience_s`, `direct_io`, `buffer_mib`). Resolved
         locations: the key file, where fetched versions land (v000123/), the rollout store (a path or
@@ -98,8 +111,9 @@ class Worker:
     def _servers(self) -> list[str]:
         servers = list(self.policy.relays if self.policy and self.policy.relays else self.servers)
         if not servers:
-            raise RuntimeError("no SHARDCAST server: the policy names no relays and worker servers are not set "
-                               "(shardcast.servers)")
+            raise RuntimeError(
+                "no SHARDCAST server: the policy names no relays and worker servers are not set (shardcast.servers)"
+            )
         return servers
 
     def _fetch(self, version: int) -> Path:
@@ -107,13 +121,20 @@ class Worker:
         client = self._shardcast
         if client is None or not client.same_servers(servers):
             client = self._shardcast = ShardcastClient(
-                servers, timeout=self.shardcast.timeout_s, patience=self.shardcast.patience_s,
-                direct_io=self.shardcast.direct_io, buffer_bytes=self.shardcast.buffer_mib << 20)
-        result = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s,
-                              manifest_sha256=pinned_manifest(self.policy, version))
+                servers,
+                timeout=self.shardcast.timeout_s,
+                patience=self.shardcast.patience_s,
+                direct_io=self.shardcast.direct_io,
+                buffer_bytes=self.shardcast.buffer_mib << 20,
+            )
+        result = client.fetch(
+            version,
+            self.weights_dir,
+            wait=self.shardcast.timeout_s,
+            manifest_sha256=pinned_manifest(self.policy, version),
+        )
         if not result.already_present:
-            log.info("fetched version %d: %.1f MiB in %.2f s", version, result.received_bytes / 2**20,
-                     result.seconds)
+            log.info("fetched version %d: %.1f MiB in %.2f s", version, result.received_bytes / 2**20, result.seconds)
         return result.path
 
     def _prefetch(self, version: int) -> None:
@@ -139,8 +160,9 @@ class Worker:
             self._fetching.join()  # a background download may be landing it (two would race for the directory)
         pin = pinned_manifest(self.policy, version)
         if (path / "STABLE").exists() and pin is not None and held_manifest_sha256(path) != pin:
-            log.warning("version %d is held under another manifest than the announced %s: fetching it again",
-                        version, pin[:12])
+            log.warning(
+                "version %d is held under another manifest than the announced %s: fetching it again", version, pin[:12]
+            )
             path = self._fetch(version)  # replaces it
         elif not (path / "STABLE").exists():
             log.info("version %d is not held yet: fetching it now", version)
@@ -174,8 +196,10 @@ class Worker:
         group = a.samples_per_prompt
         task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
         if max(task_ids) >= len(self.tasks):
-            raise RuntimeError(f"assignment {a.id} names task {max(task_ids)} but this worker has {len(self.tasks)} "
-                               "tasks: the orchestrator's num_tasks and the worker's [data] disagree")
+            raise RuntimeError(
+                f"assignment {a.id} names task {max(task_ids)} but this worker has {len(self.tasks)} "
+                "tasks: the orchestrator's num_tasks and the worker's [data] disagree"
+            )
         prompts, targets, tids, gids = [], [], [], []
         for p, tid in enumerate(task_ids):
             target = length_target(data.length_targets, a.sample_seeds[p * group])
@@ -186,26 +210,46 @@ class Worker:
                 tids.append(tid)
                 gids.append(p)
         t0 = time.perf_counter()
-        outs = self.engine.generate(prompts, list(a.sample_seeds), temperature=cfg.temperature, top_p=cfg.top_p,
-                                    max_tokens=self.max_tokens)
+        outs = self.engine.generate(
+            prompts, list(a.sample_seeds), temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=self.max_tokens
+        )
         seconds = time.perf_counter() - t0
         rewards = []
         for out, tid, target in zip(outs, tids, targets):
             text = self.tokenizer.decode(out.tokens, skip_special_tokens=True)
-            result = sample_reward(self.tasks[tid], text, len(out.tokens), target, data.length_penalty,
-                                   data.length_mode)
+            result = sample_reward(
+                self.tasks[tid], text, len(out.tokens), target, data.length_penalty, data.length_mode
+            )
             if result.reason:
                 log.info("task %d: reward %.3f (%s)", tid, result.value, result.reason)
             rewards.append(result.value)
-        meta = BatchMeta(batch_id=self.batch_id(a), node_key=self.node_key, version=a.version, assignment_id=a.id,
-                         sampling={"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": self.max_tokens,
-                                   "length_penalty": data.length_penalty, "length_mode": data.length_mode},
-                         model_dtype=cfg.dtype)
+        meta = BatchMeta(
+            batch_id=self.batch_id(a),
+            node_key=self.node_key,
+            version=a.version,
+            assignment_id=a.id,
+            sampling={
+                "temperature": cfg.temperature,
+                "top_p": cfg.top_p,
+                "max_tokens": self.max_tokens,
+                "length_penalty": data.length_penalty,
+                "length_mode": data.length_mode,
+            },
+            model_dtype=cfg.dtype,
+        )
         batch = RolloutBatch.from_samples(
-            meta, tokens=[o.prompt_tokens + o.tokens for o in outs], prompt_lens=[len(o.prompt_tokens) for o in outs],
+            meta,
+            tokens=[o.prompt_tokens + o.tokens for o in outs],
+            prompt_lens=[len(o.prompt_tokens) for o in outs],
             logprobs=[np.concatenate([np.zeros(len(o.prompt_tokens), np.float32), o.logprobs]) for o in outs],
-            task_ids=tids, group_ids=gids, seeds=list(a.sample_seeds), finish=[o.finish for o in outs],
-            rewards=rewards, proofs=[b"".join(o.proofs) for o in outs], target_lens=targets)
+            task_ids=tids,
+            group_ids=gids,
+            seeds=list(a.sample_seeds),
+            finish=[o.finish for o in outs],
+            rewards=rewards,
+            proofs=[b"".join(o.proofs) for o in outs],
+            target_lens=targets,
+        )
         new_tokens = int(sum(len(o.tokens) for o in outs))
         st = self.stats
         st["batches"] += 1
@@ -213,26 +257,48 @@ class Worker:
         st["tokens"] += new_tokens
         st["generate_s"] += seconds
         st["reward_sum"] += float(sum(rewards))
-        log.info("assignment %d (version %d): %d samples, %d tokens in %.2f s (%.0f tok/s), mean reward %.3f",
-                 a.id, a.version, len(outs), new_tokens, seconds, new_tokens / max(seconds, 1e-9),
-                 float(np.mean(rewards)))
+        log.info(
+            "assignment %d (version %d): %d samples, %d tokens in %.2f s (%.0f tok/s), mean reward %.3f",
+            a.id,
+            a.version,
+            len(outs),
+            new_tokens,
+            seconds,
+            new_tokens / max(seconds, 1e-9),
+            float(np.mean(rewards)),
+        )
         return batch
 
     def submit(self, a: Assignment) -> bool:
         """Generate (unless already committed), store and announce assignment `a`; False if stopped."""
         batch_id = self.batch_id(a)
-        committed = patiently(lambda: [self.store.commit(a.version, batch_id)], self.stop,
-                              "reading the rollout store", transient=(RolloutStoreError,))
+        committed = patiently(
+            lambda: [self.store.commit(a.version, batch_id)],
+            self.stop,
+            "reading the rollout store",
+            transient=(RolloutStoreError,),
+        )
         if committed is None:
             return False
         digest = committed[0]
         if digest is None:
-            if patiently(lambda: self._load(a.version) or True, self.stop, f"loading version {a.version}",
-                         transient=(ShardcastError, OSError)) is None:
+            if (
+                patiently(
+                    lambda: self._load(a.version) or True,
+                    self.stop,
+                    f"loading version {a.version}",
+                    transient=(ShardcastError, OSError),
+                )
+                is None
+            ):
                 return False
             batch = self.build(a)
-            digest = patiently(lambda: self.store.write(batch), self.stop, f"writing batch {batch_id}",
-                               transient=(RolloutStoreError, OSError))
+            digest = patiently(
+                lambda: self.store.write(batch),
+                self.stop,
+                f"writing batch {batch_id}",
+                transient=(RolloutStoreError, OSError),
+            )
             if digest is None:
                 return False
             num_samples, num_tokens = batch.num_samples, int(len(batch.tokens))
@@ -240,11 +306,18 @@ class Worker:
             log.info("assignment %d was already written (%s...): announcing it", a.id, digest[:12])
             batch = self.store.read(a.version, batch_id, expect_sha256=digest)
             num_samples, num_tokens = batch.num_samples, int(len(batch.tokens))
-        note = BatchAnnouncement(batch_id=batch_id, assignment_id=a.id, version=a.version,
-                                 store_path=self.store.batch_url(a.version, batch_id), sha256=digest,
-                                 num_samples=num_samples, num_tokens=num_tokens)
-        record = patiently(lambda: self.client.announce_batch(note), self.stop, f"announcing batch {batch_id}",
-                           rejoin=self._join)
+        note = BatchAnnouncement(
+            batch_id=batch_id,
+            assignment_id=a.id,
+            version=a.version,
+            store_path=self.store.batch_url(a.version, batch_id),
+            sha256=digest,
+            num_samples=num_samples,
+            num_tokens=num_tokens,
+        )
+        record = patiently(
+            lambda: self.client.announce_batch(note), self.stop, f"announcing batch {batch_id}", rejoin=self._join
+        )
         if record is not None:
             log.info("announced batch %s (%d samples, version %d)", batch_id, num_samples, a.version)
         return record is not None
@@ -259,10 +332,14 @@ class Worker:
 
     def _metrics(self) -> dict[str, float]:
         st = self.stats
-        return {"batches": st["batches"], "samples": st["samples"], "tokens": st["tokens"],
-                "tokens_per_s": st["tokens"] / st["generate_s"] if st["generate_s"] else 0.0,
-                "mean_reward": st["reward_sum"] / st["samples"] if st["samples"] else 0.0,
-                "version": float(self.engine.version if self.engine else -1)}
+        return {
+            "batches": st["batches"],
+            "samples": st["samples"],
+            "tokens": st["tokens"],
+            "tokens_per_s": st["tokens"] / st["generate_s"] if st["generate_s"] else 0.0,
+            "mean_reward": st["reward_sum"] / st["samples"] if st["samples"] else 0.0,
+            "version": float(self.engine.version if self.engine else -1),
+        }
 
     def run(self) -> int:
         """Work until stopped (0), banned or refused (raises)."""
@@ -271,8 +348,12 @@ class Worker:
         done: set[int] = set()
         try:
             while not self.stop:
-                reply = patiently(lambda: self.client.heartbeat(self.held_versions(), self._metrics()), self.stop,
-                                  "heartbeat", rejoin=self._join)
+                reply = patiently(
+                    lambda: self.client.heartbeat(self.held_versions(), self._metrics()),
+                    self.stop,
+                    "heartbeat",
+                    rejoin=self._join,
+                )
                 if reply is None:
                     break
                 touch(self.config.health_file)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from intellect.config import Config
 
 
-
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -38,32 +37,56 @@ class Command:
 
 
 COMMANDS = (
-    Command("run", "every role on this machine, for demos and single-box runs", module="intellect.run_cli",
-            takes_config=True),
-    Command("train", "the JAX learner (multi-host: one process per host)", module="intellect.train",
-            takes_config=True),
-    Command("worker", "a rollout worker: vLLM generation with TOPLOC proofs", module="intellect.worker_cli",
-            takes_config=True),
-    Command("validator", "a validator: prefill, TOPLOC and rollout checks", module="intellect.validator_cli",
-            takes_config=True),
-    Command("orchestrator", "the coordination service (HTTP API)", module="intellect.orchestrator_cli",
-            takes_config=True),
-    Command("shardcast", "weight broadcast: origin, relay or fetch", module="intellect.shardcast_cli",
-            takes_config=True),
-    Command("export", "an orbax checkpoint as a Hugging Face directory", module="intellect.export_hf",
-            takes_config=True),
-    Command("import", "a Hugging Face directory as the learner's initial checkpoint", module="intellect.import_hf",
-            takes_config=True),
-    Command("eval", "pass@1 of a policy on held-out tasks, through vLLM", module="intellect.eval_cli",
-            takes_config=True),
+    Command(
+        "run",
+        "every role on this machine, for demos and single-box runs",
+        module="intellect.run_cli",
+        takes_config=True,
+    ),
+    Command("train", "the JAX learner (multi-host: one process per host)", module="intellect.train", takes_config=True),
+    Command(
+        "worker",
+        "a rollout worker: vLLM generation with TOPLOC proofs",
+        module="intellect.worker_cli",
+        takes_config=True,
+    ),
+    Command(
+        "validator",
+        "a validator: prefill, TOPLOC and rollout checks",
+        module="intellect.validator_cli",
+        takes_config=True,
+    ),
+    Command(
+        "orchestrator", "the coordination service (HTTP API)", module="intellect.orchestrator_cli", takes_config=True
+    ),
+    Command(
+        "shardcast", "weight broadcast: origin, relay or fetch", module="intellect.shardcast_cli", takes_config=True
+    ),
+    Command(
+        "export", "an orbax checkpoint as a Hugging Face directory", module="intellect.export_hf", takes_config=True
+    ),
+    Command(
+        "import",
+        "a Hugging Face directory as the learner's initial checkpoint",
+        module="intellect.import_hf",
+        takes_config=True,
+    ),
+    Command(
+        "eval", "pass@1 of a policy on held-out tasks, through vLLM", module="intellect.eval_cli", takes_config=True
+    ),
     Command("sft", "supervised fine-tuning before RL", module="intellect.sft_cli", takes_config=True),
     Command("plot", "PNG charts of a run's metrics", module="intellect.plot"),
     Command("config", "show the resolved configuration as TOML", takes_config=True),
-    Command("make-tiny-model", "write a tiny offline Hugging Face model for tests and demos",
-            module="intellect.tiny_model"),
+    Command(
+        "make-tiny-model", "write a tiny offline Hugging Face model for tests and demos", module="intellect.tiny_model"
+    ),
     Command("parity", "check that JAX, transformers and vLLM agree on a checkpoint", module="intellect.parity"),
-    Command("plan", "the learner's memory per device, from the compiled step (nothing allocated)",
-            module="intellect.plan_cli", takes_config=True),
+    Command(
+        "plan",
+        "the learner's memory per device, from the compiled step (nothing allocated)",
+        module="intellect.plan_cli",
+        takes_config=True,
+    ),
 )
 _BY_NAME = {cmd.name: cmd for cmd in COMMANDS}
 
@@ -80,7 +103,7 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         token = argv[i]
         i += 1
         if token == "--":
-            rest += argv[i - 1:]
+            rest += argv[i - 1 :]
             break
         if not _OVERRIDE.fullmatch(token):
             rest.append(token)
@@ -109,9 +132,11 @@ def _config_show(args: argparse.Namespace) -> int:
 def _add_config_command(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     show = actions.add_parser(
-        "show", help="print the resolved config as TOML",
+        "show",
+        help="print the resolved config as TOML",
         description="Print the config resolved from defaults < CONFIG < INTELLECT_SECTION__KEY environment "
-                    "variables < --section.key VALUE flags, as TOML.")
+        "variables < --section.key VALUE flags, as TOML.",
+    )
     show.add_argument("config", nargs="?", type=Path, help="TOML recipe (default: the defaults only)")
     show.set_defaults(handler=_config_show)
 
@@ -138,7 +163,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="intellect",
         description="Decentralized asynchronous RL of language models with a JAX learner.",
         epilog="Commands that take a CONFIG also take --section.key VALUE overrides "
-               "(see `intellect config show --help`).")
+        "(see `intellect config show --help`).",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, title="commands")
     for cmd in COMMANDS:
         sub = commands.add_parser(cmd.name, help=cmd.help, description=cmd.help)

@@ -23,6 +23,7 @@ from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig
 from jax_trainer.config import LearnerModelConfig, LossConfig, OptimConfig, TrainerConfig
 from orchestrator.config import OrchestratorConfig
 
+
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the key, its source and a fix."""
 
@@ -116,8 +117,11 @@ class Config(BaseSettings):
 
     @classmethod
     def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Only the values passed in (no env, dotenv or secrets): `load_config` reads every source itself."""
@@ -126,28 +130,37 @@ class Config(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> Config:
         batch = self.data.prompts_per_step * self.data.samples_per_prompt
-        _require(self.trainer.batch_size == batch,
-                 ("trainer.batch_size", "data.prompts_per_step", "data.samples_per_prompt"),
-                 f"trainer.batch_size ({self.trainer.batch_size}) must equal data.prompts_per_step "
-                 f"({self.data.prompts_per_step}) x data.samples_per_prompt ({self.data.samples_per_prompt}) = {batch}")
+        _require(
+            self.trainer.batch_size == batch,
+            ("trainer.batch_size", "data.prompts_per_step", "data.samples_per_prompt"),
+            f"trainer.batch_size ({self.trainer.batch_size}) must equal data.prompts_per_step "
+            f"({self.data.prompts_per_step}) x data.samples_per_prompt ({self.data.samples_per_prompt}) = {batch}",
+        )
         longest = self.data.max_prompt_len + self.data.max_new_tokens
-        _require(longest <= self.model.max_seq_len,
-                 ("model.max_seq_len", "data.max_prompt_len", "data.max_new_tokens"),
-                 f"model.max_seq_len ({self.model.max_seq_len}) is shorter than data.max_prompt_len + "
-                 f"data.max_new_tokens ({longest})")
-        _require(self.loss.temperature == self.worker.temperature, ("loss.temperature", "worker.temperature"),
-                 f"loss.temperature ({self.loss.temperature}) must equal worker.temperature "
-                 f"({self.worker.temperature}): the learner must score samples with the distribution they came from")
-        _require(self.worker.max_tokens is None or self.worker.max_tokens <= self.data.max_new_tokens,
-                 ("worker.max_tokens", "data.max_new_tokens"),
-                 f"worker.max_tokens ({self.worker.max_tokens}) exceeds data.max_new_tokens "
-                 f"({self.data.max_new_tokens})")
-        _require(self.shardcast.keep_versions >= self.trainer.async_level + 1,
-                 ("shardcast.keep_versions", "trainer.async_level"),
-                 f"shardcast.keep_versions ({self.shardcast.keep_versions}) must be at least trainer.async_level + 1 "
-                 f"({self.trainer.async_level + 1}): workers may still need every version in the async window")
+        _require(
+            longest <= self.model.max_seq_len,
+            ("model.max_seq_len", "data.max_prompt_len", "data.max_new_tokens"),
+            f"model.max_seq_len ({self.model.max_seq_len}) is shorter than data.max_prompt_len + "
+            f"data.max_new_tokens ({longest})",
+        )
+        _require(
+            self.loss.temperature == self.worker.temperature,
+            ("loss.temperature", "worker.temperature"),
+            f"loss.temperature ({self.loss.temperature}) must equal worker.temperature "
+            f"({self.worker.temperature}): the learner must score samples with the distribution they came from",
+        )
+        _require(
+            self.worker.max_tokens is None or self.worker.max_tokens <= self.data.max_new_tokens,
+            ("worker.max_tokens", "data.max_new_tokens"),
+            f"worker.max_tokens ({self.worker.max_tokens}) exceeds data.max_new_tokens ({self.data.max_new_tokens})",
+        )
+        _require(
+            self.shardcast.keep_versions >= self.trainer.async_level + 1,
+            ("shardcast.keep_versions", "trainer.async_level"),
+            f"shardcast.keep_versions ({self.shardcast.keep_versions}) must be at least trainer.async_level + 1 "
+            f"({self.trainer.async_level + 1}): workers may still need every version in the async window",
+        )
         return self
 
 
 SECTIONS: dict[str, type[Section]] = {name: f.annotation for name, f in Config.model_fields.items()}
-

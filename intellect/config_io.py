@@ -36,6 +36,7 @@ RESERVED_ENV = frozenset({"INTELLECT_VLLM"})
 # ---------------------------------------------------------------------------------------------------------
 # Loading: each source becomes a list of entries, checked against the schema, then merged in order.
 
+
 @dataclass(frozen=True)
 class _Origin:
     """Where a value came from, and how that source would spell another key (for suggestions)."""
@@ -44,8 +45,11 @@ class _Origin:
     where: str  # the file's path, the variable's name, or the flag as typed
 
     def describe(self) -> str:
-        return {"file": f"file {self.where}", "env": f"environment variable {self.where}",
-                "flag": f"flag {self.where}"}[self.kind]
+        return {
+            "file": f"file {self.where}",
+            "env": f"environment variable {self.where}",
+            "flag": f"flag {self.where}",
+        }[self.kind]
 
     def spell(self, section: str, key: str | None) -> str:
         if self.kind == "env":
@@ -71,8 +75,11 @@ def _closest(name: str, choices: Iterable[str]) -> str | None:
 
 def _unknown_key_error(section: str, key: str | None, origin: _Origin) -> str | None:
     """None if `section.key` (or, without key, `section`) exists; else a message with the closest valid key."""
-    what = f"'{section}' ('{section}.{key}', from {origin.describe()})" if key is not None else (
-        f"[{section}] (from {origin.describe()})")
+    what = (
+        f"'{section}' ('{section}.{key}', from {origin.describe()})"
+        if key is not None
+        else (f"[{section}] (from {origin.describe()})")
+    )
     if section not in SECTIONS:
         guess = _closest(section, SECTIONS)
         if guess:
@@ -81,8 +88,11 @@ def _unknown_key_error(section: str, key: str | None, origin: _Origin) -> str | 
             hint = f"did you mean {origin.spell(guess, guess_key)}?"
         else:
             owners = [s for s, model in SECTIONS.items() if section in model.model_fields]
-            hint = (f"keys belong in a section: did you mean {origin.spell(owners[0], section)}?" if owners
-                    else f"sections: {', '.join(SECTIONS)}")
+            hint = (
+                f"keys belong in a section: did you mean {origin.spell(owners[0], section)}?"
+                if owners
+                else f"sections: {', '.join(SECTIONS)}"
+            )
         return f"unknown section {what}; {hint}"
     fields = SECTIONS[section].model_fields
     if key is None or key in fields:
@@ -123,10 +133,12 @@ def _env_entries(env: Mapping[str, str]) -> tuple[list[_Entry], list[str]]:
     for name in sorted(env):
         if not name.upper().startswith(ENV_PREFIX) or name.upper() in RESERVED_ENV:
             continue
-        section, sep, key = name[len(ENV_PREFIX):].lower().partition("__")
+        section, sep, key = name[len(ENV_PREFIX) :].lower().partition("__")
         if not (sep and section and key):
-            errors.append(f"environment variable {name} is not a config key: expected "
-                          f"{ENV_PREFIX}SECTION__KEY, e.g. {ENV_PREFIX}OPTIM__LR")
+            errors.append(
+                f"environment variable {name} is not a config key: expected "
+                f"{ENV_PREFIX}SECTION__KEY, e.g. {ENV_PREFIX}OPTIM__LR"
+            )
             continue
         entries.append(_Entry(section, key, env[name], _Origin("env", name), raw=True))
     return entries, errors
@@ -203,8 +215,9 @@ def _format_validation_error(exc: ValidationError, origins: Mapping[str, _Origin
     return "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
-                env: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[str] = (), env: Mapping[str, str] | None = None
+) -> Config:
     """Resolve defaults < TOML file `path` < INTELLECT_* variables in `env` (default os.environ) < overrides.
 
     `overrides` are command-line tokens: `["--optim.lr", "1e-6", "--run.name=x"]`. Raises ConfigError.
@@ -245,8 +258,7 @@ def _toml_value(value: Any) -> str:
             return "nan"
         return repr(value)  # 'inf', '-inf', '1e-07' and '0.2' are all TOML floats
     if isinstance(value, (str, Path)):
-        chars = (_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-                 for c in str(value))
+        chars = (_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in str(value))
         return '"' + "".join(chars) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"

@@ -78,21 +78,41 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     engine = Engine(args.model_dir, version, cfg.worker.model_copy(update={"verify_swaps": 0}), cfg.model.max_seq_len)
     try:
-        result = evaluate(engine, tasks, tokenizer, max_tokens=completion_cap(cfg.worker, cfg.data),
-                          stop_token_ids=sorted(stop_token_ids(args.model_dir)), system_prompt=cfg.data.system_prompt,
-                          samples=args.samples, temperature=args.temperature, top_p=cfg.worker.top_p, seed=args.seed)
+        result = evaluate(
+            engine,
+            tasks,
+            tokenizer,
+            max_tokens=completion_cap(cfg.worker, cfg.data),
+            stop_token_ids=sorted(stop_token_ids(args.model_dir)),
+            system_prompt=cfg.data.system_prompt,
+            samples=args.samples,
+            temperature=args.temperature,
+            top_p=cfg.worker.top_p,
+            seed=args.seed,
+        )
     except ValueError as exc:
         return _fail(str(exc))
     finally:
         engine.close()
-    record = {**result.summary(), "model": str(args.model_dir), "version": version, "task": cfg.data.task,
-              "temperature": args.temperature, "seconds": round(time.perf_counter() - t0, 3)}
+    record = {
+        **result.summary(),
+        "model": str(args.model_dir),
+        "version": version,
+        "task": cfg.data.task,
+        "temperature": args.temperature,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
     if not args.json:
-        print(f"{tasks.name}: pass@1 {result.accuracy:.3f} over {result.n} tasks x {result.samples} "
-              f"(version {version}, {result.mean_completion_len:.1f} tokens per completion)", file=sys.stderr)
+        print(
+            f"{tasks.name}: pass@1 {result.accuracy:.3f} over {result.n} tasks x {result.samples} "
+            f"(version {version}, {result.mean_completion_len:.1f} tokens per completion)",
+            file=sys.stderr,
+        )
         for task, texts, ok in list(zip(tasks, result.completions, result.correct))[:3]:
-            print(f"  {task.prompt!r} -> {texts[0]!r} ({'right' if ok[0] else 'wrong'}; answer {task.answer!r})",
-                  file=sys.stderr)
+            print(
+                f"  {task.prompt!r} -> {texts[0]!r} ({'right' if ok[0] else 'wrong'}; answer {task.answer!r})",
+                file=sys.stderr,
+            )
     if args.metrics is not None:
         args.metrics.parent.mkdir(parents=True, exist_ok=True)
         with open(args.metrics, "a") as f:

@@ -31,7 +31,13 @@ def run(args: argparse.Namespace) -> int:
     mesh = mesh_from_config(cfg)
     trainer = trainer_for(cfg, abstract_from_hf_config(cfg, meta["hf_config"]), mesh)
     state, _ = ckpt.restore(trainer.abstract_state(), step)
-    export_hf(trainer.model(state.params), args.out, version=int(state.step), source_dir=meta["base_model"],
-              hf_config=meta["hf_config"], dtype=args.dtype)
+    export_hf(
+        trainer.model(state.params),
+        args.out,
+        version=int(state.step),
+        source_dir=meta["base_model"],
+        hf_config=meta["hf_config"],
+        dtype=args.dtype,
+    )
     print(f"exported step {step} of {args.ckpt_dir} to {args.out} ({args.dtype})")
     return 0

@@ -79,8 +79,14 @@ class Role:
         with open(self.log, "ab") as out:
             out.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
             out.flush()
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
+                preexec_fn=_die_with_parent,
+            )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -95,8 +101,9 @@ class RoleFailed(RuntimeError):
 
 
 class Launcher:
-    def __init__(self, cfg: Config, config_path: Path | None, overrides: Sequence[str], resume: bool = False,
-                 console=None):
+    def __init__(
+        self, cfg: Config, config_path: Path | None, overrides: Sequence[str], resume: bool = False, console=None
+    ):
         self.cfg = cfg
         self.config_path = config_path
         self.user_overrides = list(overrides)
@@ -140,8 +147,10 @@ class Launcher:
     def prepare(self) -> None:
         has_state = (self.run_dir / "checkpoints").exists() or self.cfg.run.db_path.exists()
         if has_state and not self.resume:
-            raise RoleFailed(f"{self.run_dir} holds a run already (checkpoints or orchestrator.db): continue it with "
-                             "--resume, or choose another run.dir")
+            raise RoleFailed(
+                f"{self.run_dir} holds a run already (checkpoints or orchestrator.db): continue it with "
+                "--resume, or choose another run.dir"
+            )
         if self.resume and not has_state:
             raise RoleFailed(f"--resume: {self.run_dir} holds no run to continue")
         for d in (self.logs, self.cfg.run.weights_dir, self.cfg.run.keys_dir):
@@ -161,14 +170,20 @@ class Launcher:
 
         step = Checkpointer(self.run_dir / "checkpoints").latest_step() or 0
         homes = [self.cfg.run.weights_dir, self.run_dir / "relays", self.run_dir / "nodes"]  # not rollouts/
-        stale = [p for home in homes for p in home.rglob("v[0-9][0-9][0-9][0-9][0-9][0-9]")
-                 if p.is_dir() and int(p.name[1:]) > step]
+        stale = [
+            p
+            for home in homes
+            for p in home.rglob("v[0-9][0-9][0-9][0-9][0-9][0-9]")
+            if p.is_dir() and int(p.name[1:]) > step
+        ]
         for path in stale:
             shutil.rmtree(path)
         url = self.cfg.orchestrator.database_url or sqlite_url(self.cfg.run.db_path)
         counts = rollback(url, step) if self.cfg.orchestrator.database_url or self.cfg.run.db_path.exists() else {}
-        self.say(f"resuming from the checkpoint at step {step}: removed {len(stale)} version directories of later "
-                 f"steps; orchestrator records: {counts}")
+        self.say(
+            f"resuming from the checkpoint at step {step}: removed {len(stale)} version directories of later "
+            f"steps; orchestrator records: {counts}"
+        )
 
     @property
     def sft_dir(self) -> Path:
@@ -186,8 +201,9 @@ class Launcher:
         self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {self.sft_dir}")
 
     def eval_argv(self, model_dir: Path | str, step: int) -> list[str]:
-        return self.command("eval", str(model_dir), extra=["--metrics", str(self.cfg.run.metrics_path),
-                                                           "--step", str(step)])
+        return self.command(
+            "eval", str(model_dir), extra=["--metrics", str(self.cfg.run.metrics_path), "--step", str(step)]
+        )
 
     def evaluate_now(self, model_dir: Path | str, step: int) -> None:
         if not self.cfg.data.eval_tasks or step in self.evaluated:
@@ -222,10 +238,22 @@ class Launcher:
         from bridge.protocol.signing import load_or_create_key, public_key_hex
 
         allowed = [public_key_hex(load_or_create_key(k)) for k in validator_keys]
-        wiring = ["--orchestrator.port", str(orch_port), "--shardcast.host", "127.0.0.1",
-                  "--shardcast.port", str(origin_port), "--shardcast.relays", toml_list(relays or [origin]),
-                  "--worker.orchestrator_url", self.orch_url, "--validator.orchestrator_url", self.orch_url,
-                  "--orchestrator.validator_keys", toml_list(allowed)]
+        wiring = [
+            "--orchestrator.port",
+            str(orch_port),
+            "--shardcast.host",
+            "127.0.0.1",
+            "--shardcast.port",
+            str(origin_port),
+            "--shardcast.relays",
+            toml_list(relays or [origin]),
+            "--worker.orchestrator_url",
+            self.orch_url,
+            "--validator.orchestrator_url",
+            self.orch_url,
+            "--orchestrator.validator_keys",
+            toml_list(allowed),
+        ]
         env = {"INTELLECT_ORCHESTRATOR__ADMIN_TOKEN": self.token}
 
         def add(name: str, argv: list[str]) -> Role:
@@ -236,14 +264,43 @@ class Launcher:
 
         add("orchestrator", self.command("orchestrator", extra=[*wiring, "--orchestrator.host", "127.0.0.1"]))
         self.wait_http(self.orch_url + "/healthz", "orchestrator")
-        add("origin", self.command("shardcast", "origin", "--dir", str(cfg.run.weights_dir), "--port",
-                                   str(origin_port), "--host", "127.0.0.1", extra=wiring))
+        add(
+            "origin",
+            self.command(
+                "shardcast",
+                "origin",
+                "--dir",
+                str(cfg.run.weights_dir),
+                "--port",
+                str(origin_port),
+                "--host",
+                "127.0.0.1",
+                extra=wiring,
+            ),
+        )
         for i, port in enumerate(relay_ports):
-            add(f"relay{i}", self.command("shardcast", "relay", "--upstream", origin, "--dir",
-                                          str(self.run_dir / "relays" / f"relay{i}"), "--port", str(port),
-                                          "--host", "127.0.0.1", extra=wiring))
-        add("learner", self.command("train", extra=[*wiring, "--model.path", self.base_model(),
-                                                    "--trainer.accepted_from", "orchestrator"]))
+            add(
+                f"relay{i}",
+                self.command(
+                    "shardcast",
+                    "relay",
+                    "--upstream",
+                    origin,
+                    "--dir",
+                    str(self.run_dir / "relays" / f"relay{i}"),
+                    "--port",
+                    str(port),
+                    "--host",
+                    "127.0.0.1",
+                    extra=wiring,
+                ),
+            )
+        add(
+            "learner",
+            self.command(
+                "train", extra=[*wiring, "--model.path", self.base_model(), "--trainer.accepted_from", "orchestrator"]
+            ),
+        )
         for i, key in enumerate(worker_keys):
             add(f"worker{i}", self.command("worker", extra=[*wiring, "--worker.key_path", str(key)]))
         for i, key in enumerate(validator_keys):
@@ -283,8 +340,9 @@ class Launcher:
                     continue
                 if self.cfg.run.restart_failed and name != "learner":
                     role.restarts += 1
-                    self.say(f"[yellow]{name} exited with {role.proc.returncode}; restarting it "
-                             f"(restart {role.restarts})[/]")
+                    self.say(
+                        f"[yellow]{name} exited with {role.proc.returncode}; restarting it (restart {role.restarts})[/]"
+                    )
                     role.start()
                     continue
                 raise RoleFailed(f"{name} exited with {role.proc.returncode}; the end of {role.log}:\n{role.tail()}")
@@ -296,10 +354,19 @@ class Launcher:
                 else:
                     self.say(f"[yellow]evaluation at step {step} failed; see {role.log}[/]")
             version = self.newest_version()
-            if (interval and version and version % interval == 0 and version < steps and self.evaluating is None
-                    and version not in self.evaluated):
-                role = Role(f"eval-{version}", self.eval_argv(self.cfg.run.weights_dir / f"v{version:06d}", version),
-                            self.logs / f"eval-{version}.log")
+            if (
+                interval
+                and version
+                and version % interval == 0
+                and version < steps
+                and self.evaluating is None
+                and version not in self.evaluated
+            ):
+                role = Role(
+                    f"eval-{version}",
+                    self.eval_argv(self.cfg.run.weights_dir / f"v{version:06d}", version),
+                    self.logs / f"eval-{version}.log",
+                )
                 role.start()
                 self.evaluating = (role, version)
             if time.monotonic() - last_pool >= 10:
@@ -316,10 +383,13 @@ class Launcher:
         if not ledger:
             return None
         workers = [e for e in ledger["entries"] if e["role"] == "worker"]
-        return {"accepted_batches": sum(e["accepted_batches"] for e in workers),
-                "rejected_batches": sum(e["rejected_batches"] for e in workers),
-                "accepted_samples": sum(e["accepted_samples"] for e in workers),
-                "workers": len(workers), "validators": len(ledger["entries"]) - len(workers)}
+        return {
+            "accepted_batches": sum(e["accepted_batches"] for e in workers),
+            "rejected_batches": sum(e["rejected_batches"] for e in workers),
+            "accepted_samples": sum(e["accepted_samples"] for e in workers),
+            "workers": len(workers),
+            "validators": len(ledger["entries"]) - len(workers),
+        }
 
     def log_pool(self) -> None:
         counts = self.pool_counts()
@@ -336,12 +406,17 @@ class Launcher:
         counts = self.pool_counts() or {"accepted_batches": 0, "rejected_batches": 0}
         policy = self.get_json("/v1/policy") or {}
         return {
-            "step": learner.get("step", 0), "steps": self.cfg.trainer.steps, "version": policy.get("version"),
-            "reward": learner.get("reward_mean"), "accuracy": evals[-1]["accuracy"] if evals else None,
+            "step": learner.get("step", 0),
+            "steps": self.cfg.trainer.steps,
+            "version": policy.get("version"),
+            "reward": learner.get("reward_mean"),
+            "accuracy": evals[-1]["accuracy"] if evals else None,
             "accuracy_step": evals[-1]["step"] if evals else None,
             "first_accuracy": evals[0]["accuracy"] if evals else None,
-            "accepted": counts["accepted_batches"], "rejected": counts["rejected_batches"],
-            "staleness": learner.get("staleness_mean"), "tokens_per_s": learner.get("tokens_per_s"),
+            "accepted": counts["accepted_batches"],
+            "rejected": counts["rejected_batches"],
+            "staleness": learner.get("staleness_mean"),
+            "tokens_per_s": learner.get("tokens_per_s"),
             "busy": learner.get("busy_frac"),
             "roles": {n: ("up" if r.alive() else f"exit {r.proc.returncode}") for n, r in self.roles.items()},
         }
@@ -396,14 +471,20 @@ class Launcher:
             self.evaluate_now(self.cfg.run.weights_dir / f"v{final:06d}", final)
         plots = self.plot()
         evals = [r for r in self.read_metrics() if r.get("role") == "eval"]
-        return {"run_dir": str(self.run_dir), "final_version": final, "rl_seconds": round(rl_seconds, 1),
-                "total_seconds": round(time.monotonic() - t0, 1),
-                "accuracy": {int(r["step"]): r["accuracy"] for r in evals}, "plots": plots,
-                "final_policy": str(self.cfg.run.weights_dir / f"v{final:06d}") if final is not None else None}
+        return {
+            "run_dir": str(self.run_dir),
+            "final_version": final,
+            "rl_seconds": round(rl_seconds, 1),
+            "total_seconds": round(time.monotonic() - t0, 1),
+            "accuracy": {int(r["step"]): r["accuracy"] for r in evals},
+            "plots": plots,
+            "final_policy": str(self.cfg.run.weights_dir / f"v{final:06d}") if final is not None else None,
+        }
 
     def plot(self) -> list[str]:
-        out = subprocess.run([sys.executable, "-m", "intellect", "plot", str(self.run_dir)], capture_output=True,
-                             text=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "intellect", "plot", str(self.run_dir)], capture_output=True, text=True
+        )
         if out.returncode != 0:
             self.say(f"[yellow]plots failed: {out.stderr.strip()[-500:]}[/]")
             return []

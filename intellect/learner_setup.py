@@ -21,8 +21,9 @@ def init_distributed(cfg: Config) -> None:
     t = cfg.trainer
     if t.coordinator_address is None and t.num_processes is None:
         return
-    jax.distributed.initialize(coordinator_address=t.coordinator_address, num_processes=t.num_processes,
-                               process_id=t.process_id)
+    jax.distributed.initialize(
+        coordinator_address=t.coordinator_address, num_processes=t.num_processes, process_id=t.process_id
+    )
 
 
 def mesh_from_config(cfg: Config):

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", type=Path, help="TOML recipe (default: the defaults only)")
-    parser.epilog = ("Storage: orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db. Admin routes "
-                     "(and the learner) need orchestrator.admin_token, e.g. INTELLECT_ORCHESTRATOR__ADMIN_TOKEN.")
+    parser.epilog = (
+        "Storage: orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db. Admin routes "
+        "(and the learner) need orchestrator.admin_token, e.g. INTELLECT_ORCHESTRATOR__ADMIN_TOKEN."
+    )
 
 
 def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
@@ -35,10 +37,15 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         url = sqlite_url(cfg.run.db_path)
     sc = cfg.shardcast
-    return RunValues(name=cfg.run.name, database_url=url, async_level=cfg.trainer.async_level,
-                     prompts_per_step=cfg.data.prompts_per_step, samples_per_prompt=cfg.data.samples_per_prompt,
-                     max_tokens=completion_cap(cfg.worker, cfg.data),
-                     relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]))
+    return RunValues(
+        name=cfg.run.name,
+        database_url=url,
+        async_level=cfg.trainer.async_level,
+        prompts_per_step=cfg.data.prompts_per_step,
+        samples_per_prompt=cfg.data.samples_per_prompt,
+        max_tokens=completion_cap(cfg.worker, cfg.data),
+        relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]),
+    )
 
 
 def build_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     oc = cfg.orchestrator
     if oc.admin_token is None:
         logging.getLogger("orchestrator").warning(
-            "orchestrator.admin_token is not set: admin routes and policy announcements are refused")
+            "orchestrator.admin_token is not set: admin routes and policy announcements are refused"
+        )
     print(f"orchestrator: http://{oc.host}:{oc.port}/ (dashboard), API docs at /docs", flush=True)
     # What exists now (the application, its modules, the registry's nodes) lives as long as the service: frozen
     # out of the garbage collector's view, so that its full collections do not walk it again and again (they
@@ -77,9 +85,14 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     # Idle keep-alive connections are kept (keepalive_s, 20 s) longer than clients keep theirs (aiohttp: 15 s,
     # httpx: 5 s), so that a client never sends on a connection the server is closing at that moment.
-    limits = Limits(max_connections=oc.max_connections, max_connections_per_ip=oc.max_connections_per_ip,
-                    max_header_bytes=oc.max_header_kib << 10, header_timeout_s=oc.header_timeout_s,
-                    body_timeout_s=oc.body_timeout_s, keepalive_s=oc.keepalive_s,
-                    exempt=frozenset(address_group(a) for a in oc.trusted_proxies))
+    limits = Limits(
+        max_connections=oc.max_connections,
+        max_connections_per_ip=oc.max_connections_per_ip,
+        max_header_bytes=oc.max_header_kib << 10,
+        header_timeout_s=oc.header_timeout_s,
+        body_timeout_s=oc.body_timeout_s,
+        keepalive_s=oc.keepalive_s,
+        exempt=frozenset(address_group(a) for a in oc.trusted_proxies),
+    )
     serve(app, oc.host, oc.port, limits, cfg.run.log_level.lower(), oc.trusted_proxies)
     return 0

@@ -146,8 +146,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequences", type=int, default=4, help="number of token sequences scored")
     p.add_argument("--seq-len", type=int, default=48, help="length of the longest sequence")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--export", dest="export_dir", default=None,
-                   help="also export the JAX model here and score the export with hf/vllm")
+    p.add_argument(
+        "--export",
+        dest="export_dir",
+        default=None,
+        help="also export the JAX model here and score the export with hf/vllm",
+    )
     p.add_argument("--tol-logits", type=float, default=None, help="override the logits tolerance")
     p.add_argument("--tol-logprobs", type=float, default=None, help="override the logprobs tolerance")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -160,8 +164,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"parity: --engines needs two or more of {', '.join(ENGINES)}; got {args.engines!r}", file=sys.stderr)
         return 2
     with _stdout_to_stderr():  # engines log to stdout; keep it for the report (`--json` must parse)
-        report = check_parity(args.model_dir, engines, args.dtype, args.sequences, args.seq_len, args.seed,
-                              args.export_dir, args.tol_logits, args.tol_logprobs)
+        report = check_parity(
+            args.model_dir,
+            engines,
+            args.dtype,
+            args.sequences,
+            args.seq_len,
+            args.seed,
+            args.export_dir,
+            args.tol_logits,
+            args.tol_logprobs,
+        )
     if args.json:
         print(report.to_json())
     else:
@@ -188,15 +201,23 @@ def _print_table(report: ParityReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"parity {report.model_dir} ({report.dtype}, {report.sequences} sequences, "
-                        f"{report.tokens} tokens)")
+    table = Table(
+        title=f"parity {report.model_dir} ({report.dtype}, {report.sequences} sequences, {report.tokens} tokens)"
+    )
     for col in ("pair", "compared", "max |diff|", "tolerance", "result"):
         table.add_column(col)
     for p in report.pairs:
-        table.add_row(p.pair, p.metric, f"{p.max_abs_diff:.3g}", f"{p.tolerance:.3g}",
-                      "[green]ok[/green]" if p.ok else "[red]FAIL[/red]")
+        table.add_row(
+            p.pair,
+            p.metric,
+            f"{p.max_abs_diff:.3g}",
+            f"{p.tolerance:.3g}",
+            "[green]ok[/green]" if p.ok else "[red]FAIL[/red]",
+        )
     console = Console()
     console.print(table)
     if report.bf16_floor:
-        console.print(f"bf16 noise floor (hf bf16 vs hf fp32): logits {report.bf16_floor['logits']:.3g}, "
-                      f"logprobs {report.bf16_floor['logprobs']:.3g}")
+        console.print(
+            f"bf16 noise floor (hf bf16 vs hf fp32): logits {report.bf16_floor['logits']:.3g}, "
+            f"logprobs {report.bf16_floor['logprobs']:.3g}"
+        )

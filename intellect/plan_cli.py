@@ -22,14 +22,26 @@ from pathlib import Path
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, nargs="?", default=None, help="TOML recipe")
-    p.add_argument("--devices", type=int, default=None,
-                   help="plan for this many devices (fake CPU devices when there is no accelerator); default: "
-                        "the product of trainer.data/fsdp/tensor, or the local devices when one is -1")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="plan for this many devices (fake CPU devices when there is no accelerator); default: "
+        "the product of trainer.data/fsdp/tensor, or the local devices when one is -1",
+    )
     p.add_argument("--device-memory-gib", type=float, default=None, help="memory of one device, to say if it fits")
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per step (default trainer.micro_batches, else 1: memory depends on one)")
-    p.add_argument("--depth-from", type=int, default=8,
-                   help="models deeper than this are compiled at this depth and twice it, then extrapolated")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per step (default trainer.micro_batches, else 1: memory depends on one)",
+    )
+    p.add_argument(
+        "--depth-from",
+        type=int,
+        default=8,
+        help="models deeper than this are compiled at this depth and twice it, then extrapolated",
+    )
 
 
 def _devices_needed(cfg, requested: int | None) -> int | None:
@@ -45,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     devices = _devices_needed(cfg, args.devices)
     if devices and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # before jax starts a backend
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     import jax
 
@@ -74,15 +89,18 @@ def run(args: argparse.Namespace) -> int:
 
     depth = model_cfg.num_layers
     if depth > 2 * args.depth_from:
-        plan = extrapolate_layers(plan_at(args.depth_from), plan_at(2 * args.depth_from), depth, args.depth_from,
-                                  2 * args.depth_from)
+        plan = extrapolate_layers(
+            plan_at(args.depth_from), plan_at(2 * args.depth_from), depth, args.depth_from, 2 * args.depth_from
+        )
     else:
         plan = plan_at(depth)
     device_bytes = int(args.device_memory_gib * 2**30) if args.device_memory_gib else None
-    print(f"intellect plan: {cfg.model.path} ({model_cfg.model_type}, {depth} layers, hidden {model_cfg.hidden_size},"
-          f" vocab {model_cfg.vocab_size}); {micro_batches} micro-batches of {t.micro_batch_size} x "
-          f"{m.max_seq_len} tokens; params {m.param_dtype}, compute {m.compute_dtype}, remat {m.remat}; "
-          f"{jax.devices()[0].platform} analysis")
+    print(
+        f"intellect plan: {cfg.model.path} ({model_cfg.model_type}, {depth} layers, hidden {model_cfg.hidden_size},"
+        f" vocab {model_cfg.vocab_size}); {micro_batches} micro-batches of {t.micro_batch_size} x "
+        f"{m.max_seq_len} tokens; params {m.param_dtype}, compute {m.compute_dtype}, remat {m.remat}; "
+        f"{jax.devices()[0].platform} analysis"
+    )
     for line in plan.lines(device_bytes):
         print(line)
     return 0 if device_bytes is None or plan.fits(device_bytes) else 1

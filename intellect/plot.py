@@ -64,38 +64,90 @@ class Chart:
 
 def charts(window: int) -> tuple[Chart, ...]:
     """The charts `intellect plot` draws, in order (`window`: the steps of the reward's rolling mean)."""
-    clips = tuple(Line(k, k.removesuffix("_frac").replace("_", " "))
-                  for k in ("clip_low_frac", "clip_high_frac", "clip_delta_frac"))
+    clips = tuple(
+        Line(k, k.removesuffix("_frac").replace("_", " "))
+        for k in ("clip_low_frac", "clip_high_frac", "clip_delta_frac")
+    )
     return (
-        Chart("reward", "Reward", (Panel("reward", (
-            Line("reward_mean", "mean per step", width=1.0, alpha=0.5),
-            Line("reward_rolling", f"rolling mean ({window} steps)", width=2.4))),),
-            "no learner reward_mean"),
-        Chart("heldout_accuracy", "Held-out accuracy (pass@1)", (Panel(
-            "pass@1", (Line("eval_accuracy", "held-out accuracy", "o-", width=2.2),), ylim=(-0.02, 1.02)),),
-            "no eval records (`intellect eval --metrics`)"),
-        Chart("completion_length", "Completion length", (Panel("tokens", (
-            Line("completion_len", "trained samples (mean)"),
-            Line("eval_completion_len", "held-out eval (mean)", "o-", width=2.2))),),
-            "no learner tokens/samples_trained nor eval mean_completion_len"),
-        Chart("staleness", "Staleness (steps between a rollout's policy and the learner)", (
-            Panel("steps behind", (Line("staleness_mean", "mean"), Line("staleness_max", "max", "--"))),
-            Panel("share of samples", stack="staleness_hist/", ylim=(0.0, 1.0))),
-            "no learner staleness_mean/staleness_max/staleness_hist"),
-        Chart("throughput", "Learner throughput", (
-            Panel("tokens/s", (Line("tokens_per_s", "learner tokens/s"),)),
-            Panel("busy fraction", (Line("busy_frac", "learner busy fraction"),), ylim=(-0.02, 1.02))),
-            "no learner tokens_per_s/busy_frac"),
-        Chart("verdicts", "Validator verdicts (cumulative)", (Panel("rollout batches", (
-            Line("accepted_batches", "accepted"), Line("rejected_batches", "rejected"))),),
-            "no pool records (written by `intellect run`)"),
-        Chart("loss", "Loss and clipping", (
-            Panel("loss", (Line("loss", "loss"), Line("pg_loss", "policy-gradient loss", "--"))),
-            Panel("fraction of tokens", clips)), "no learner loss", summary=False),
-        Chart("sft", "Supervised warm start", (
-            Panel("loss", (Line("sft_loss", "SFT loss"),)),
-            Panel("token accuracy", (Line("sft_accuracy", "SFT token accuracy"),), ylim=(-0.02, 1.02))),
-            "no sft records (`intellect sft`)", summary=False, xlabel="SFT step"),
+        Chart(
+            "reward",
+            "Reward",
+            (
+                Panel(
+                    "reward",
+                    (
+                        Line("reward_mean", "mean per step", width=1.0, alpha=0.5),
+                        Line("reward_rolling", f"rolling mean ({window} steps)", width=2.4),
+                    ),
+                ),
+            ),
+            "no learner reward_mean",
+        ),
+        Chart(
+            "heldout_accuracy",
+            "Held-out accuracy (pass@1)",
+            (Panel("pass@1", (Line("eval_accuracy", "held-out accuracy", "o-", width=2.2),), ylim=(-0.02, 1.02)),),
+            "no eval records (`intellect eval --metrics`)",
+        ),
+        Chart(
+            "completion_length",
+            "Completion length",
+            (
+                Panel(
+                    "tokens",
+                    (
+                        Line("completion_len", "trained samples (mean)"),
+                        Line("eval_completion_len", "held-out eval (mean)", "o-", width=2.2),
+                    ),
+                ),
+            ),
+            "no learner tokens/samples_trained nor eval mean_completion_len",
+        ),
+        Chart(
+            "staleness",
+            "Staleness (steps between a rollout's policy and the learner)",
+            (
+                Panel("steps behind", (Line("staleness_mean", "mean"), Line("staleness_max", "max", "--"))),
+                Panel("share of samples", stack="staleness_hist/", ylim=(0.0, 1.0)),
+            ),
+            "no learner staleness_mean/staleness_max/staleness_hist",
+        ),
+        Chart(
+            "throughput",
+            "Learner throughput",
+            (
+                Panel("tokens/s", (Line("tokens_per_s", "learner tokens/s"),)),
+                Panel("busy fraction", (Line("busy_frac", "learner busy fraction"),), ylim=(-0.02, 1.02)),
+            ),
+            "no learner tokens_per_s/busy_frac",
+        ),
+        Chart(
+            "verdicts",
+            "Validator verdicts (cumulative)",
+            (Panel("rollout batches", (Line("accepted_batches", "accepted"), Line("rejected_batches", "rejected"))),),
+            "no pool records (written by `intellect run`)",
+        ),
+        Chart(
+            "loss",
+            "Loss and clipping",
+            (
+                Panel("loss", (Line("loss", "loss"), Line("pg_loss", "policy-gradient loss", "--"))),
+                Panel("fraction of tokens", clips),
+            ),
+            "no learner loss",
+            summary=False,
+        ),
+        Chart(
+            "sft",
+            "Supervised warm start",
+            (
+                Panel("loss", (Line("sft_loss", "SFT loss"),)),
+                Panel("token accuracy", (Line("sft_accuracy", "SFT token accuracy"),), ylim=(-0.02, 1.02)),
+            ),
+            "no sft records (`intellect sft`)",
+            summary=False,
+            xlabel="SFT step",
+        ),
     )
 
 
@@ -119,9 +171,9 @@ def read_metrics(path: str | Path) -> tuple[list[dict], list[str]]:
                 continue
             raise MetricsError(f"{path}:{i}: not a JSON line ({exc}): {lines[i - 1][:80]!r}") from exc
         if not isinstance(record, dict) or not isinstance(record.get("role"), str):
-            raise MetricsError(f"{path}:{i}: expected a JSON object with a \"role\", got {lines[i - 1][:80]!r}")
+            raise MetricsError(f'{path}:{i}: expected a JSON object with a "role", got {lines[i - 1][:80]!r}')
         if not isinstance(record.get("step"), int) or isinstance(record["step"], bool):
-            raise MetricsError(f"{path}:{i}: \"step\" must be an integer, got {record.get('step')!r}")
+            raise MetricsError(f'{path}:{i}: "step" must be an integer, got {record.get("step")!r}')
         records.append(record)
     return records, notes
 
@@ -147,8 +199,7 @@ def _number(record: dict, key: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise MetricsError(f"{record['role']} record of step {record['step']}: {key} must be a number, "
-                           f"got {value!r}")
+        raise MetricsError(f"{record['role']} record of step {record['step']}: {key} must be a number, got {value!r}")
     return float(value)
 
 
@@ -157,8 +208,9 @@ def _histogram(record: dict) -> dict[int, float]:
     try:
         return {int(k): float(v) for k, v in hist.items()}
     except (AttributeError, TypeError, ValueError) as exc:
-        raise MetricsError(f"learner record of step {record['step']}: staleness_hist must map staleness to a count, "
-                           f"got {hist!r}") from exc
+        raise MetricsError(
+            f"learner record of step {record['step']}: staleness_hist must map staleness to a count, got {hist!r}"
+        ) from exc
 
 
 def _column(rows: list[dict], key: str, name: str, out: Series) -> None:
@@ -172,14 +224,27 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
     out: Series = {}
     notes = []
     learner, repeated = _latest_per_step(records, "learner")
-    for key in ("reward_mean", "staleness_mean", "staleness_max", "tokens_per_s", "busy_frac", "loss", "pg_loss",
-                "clip_low_frac", "clip_high_frac", "clip_delta_frac"):
+    for key in (
+        "reward_mean",
+        "staleness_mean",
+        "staleness_max",
+        "tokens_per_s",
+        "busy_frac",
+        "loss",
+        "pg_loss",
+        "clip_low_frac",
+        "clip_high_frac",
+        "clip_delta_frac",
+    ):
         _column(learner, key, key, out)
     if "reward_mean" in out:
         steps, reward = out["reward_mean"]
         out["reward_rolling"] = (steps, rolling_mean(reward, window))
-    lens = [(r["step"], t / n) for r in learner
-            if (t := _number(r, "tokens")) is not None and (n := _number(r, "samples_trained"))]
+    lens = [
+        (r["step"], t / n)
+        for r in learner
+        if (t := _number(r, "tokens")) is not None and (n := _number(r, "samples_trained"))
+    ]
     if lens:
         out["completion_len"] = (np.array([s for s, _ in lens], np.int64), np.array([v for _, v in lens]))
     hists = [(r["step"], _histogram(r)) for r in learner if r.get("staleness_hist")]
@@ -199,8 +264,10 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
     _column(pool, "accepted_batches", "accepted_batches", out)
     _column(pool, "rejected_batches", "rejected_batches", out)
     if repeated + repeated_evals + repeated_sft:
-        notes.append(f"{repeated + repeated_evals + repeated_sft} records repeat an earlier step (a resumed run); "
-                     "the latest of each is plotted")
+        notes.append(
+            f"{repeated + repeated_evals + repeated_sft} records repeat an earlier step (a resumed run); "
+            "the latest of each is plotted"
+        )
     unknown = sorted({r["role"] for r in records} - {"learner", "eval", "sft", "pool"})
     if unknown:
         notes.append(f"ignored the records of role(s) {', '.join(unknown)}")
@@ -210,8 +277,9 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
 # ---- drawing ---------------------------------------------------------------------------------------------
 def _panel_series(panel: Panel, series: Series) -> list[Line]:
     if panel.stack is not None:  # series built together, so they share their steps (see build_series)
-        return [Line(name, f"{name.removeprefix(panel.stack)} behind") for name in series
-                if name.startswith(panel.stack)]
+        return [
+            Line(name, f"{name.removeprefix(panel.stack)} behind") for name in series if name.startswith(panel.stack)
+        ]
     return [line for line in panel.lines if line.series in series]
 
 
@@ -219,8 +287,12 @@ def draw_panel(ax, panel: Panel, series: Series, xlabel: str) -> None:
     """One panel on a matplotlib Axes: its lines, or its stacked areas, against the step."""
     present = _panel_series(panel, series)
     if panel.stack is not None:
-        ax.stackplot(series[present[0].series][0], *[series[line.series][1] for line in present],
-                     labels=[line.label for line in present], alpha=0.85)
+        ax.stackplot(
+            series[present[0].series][0],
+            *[series[line.series][1] for line in present],
+            labels=[line.label for line in present],
+            alpha=0.85,
+        )
     else:
         for line in present:
             steps, values = series[line.series]
@@ -255,8 +327,13 @@ def render_summary(chart_list: tuple[Chart, ...], series: Series):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    cells = [(c, p) for c in chart_list if c.summary
-             for p in [next((p for p in c.panels if _panel_series(p, series)), None)] if p is not None]
+    cells = [
+        (c, p)
+        for c in chart_list
+        if c.summary
+        for p in [next((p for p in c.panels if _panel_series(p, series)), None)]
+        if p is not None
+    ]
     if not cells:
         return None
     cols = min(3, len(cells))
@@ -267,7 +344,7 @@ def render_summary(chart_list: tuple[Chart, ...], series: Series):
     for ax, (chart, panel) in zip(axes, cells):
         draw_panel(ax, panel, series, chart.xlabel)
         ax.set_title(chart.title, fontsize="medium")
-    for ax in axes[len(cells):]:
+    for ax in axes[len(cells) :]:
         ax.set_visible(False)
     return fig
 

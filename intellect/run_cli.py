@@ -45,14 +45,22 @@ class View:
             self.live.__exit__(*exc)
 
     def update(self, st: dict) -> None:
-        acc = "-" if st["accuracy"] is None else f"{st['accuracy']:.1%} (step {st['accuracy_step']}; " \
-                                                  f"start {st['first_accuracy']:.1%})"
-        rows = [("step", f"{st['step']} / {st['steps']}"), ("policy version", _fmt(st["version"], "")),
-                ("reward (mean)", _fmt(st["reward"])), ("held-out accuracy", acc),
-                ("batches accepted / rejected", f"{st['accepted']} / {st['rejected']}"),
-                ("staleness (mean)", _fmt(st["staleness"], ".2f")),
-                ("learner tokens/s", _fmt(st["tokens_per_s"], ".0f")), ("learner busy", _fmt(st["busy"], ".0%")),
-                ("roles", " ".join(f"{n}:{s}" for n, s in st["roles"].items()))]
+        acc = (
+            "-"
+            if st["accuracy"] is None
+            else f"{st['accuracy']:.1%} (step {st['accuracy_step']}; start {st['first_accuracy']:.1%})"
+        )
+        rows = [
+            ("step", f"{st['step']} / {st['steps']}"),
+            ("policy version", _fmt(st["version"], "")),
+            ("reward (mean)", _fmt(st["reward"])),
+            ("held-out accuracy", acc),
+            ("batches accepted / rejected", f"{st['accepted']} / {st['rejected']}"),
+            ("staleness (mean)", _fmt(st["staleness"], ".2f")),
+            ("learner tokens/s", _fmt(st["tokens_per_s"], ".0f")),
+            ("learner busy", _fmt(st["busy"], ".0%")),
+            ("roles", " ".join(f"{n}:{s}" for n, s in st["roles"].items())),
+        ]
         if self.live is not None:
             from rich.table import Table
 

@@ -43,20 +43,22 @@ def completion_tokens(tokenizer, prompt: list[int], messages: list[dict], answer
     if isinstance(full, dict) or hasattr(full, "input_ids"):
         full = full["input_ids"]
     full = [int(t) for t in full]
-    if full[:len(prompt)] != prompt:
-        raise ValueError("the chat template renders the assistant turn in a way that changes the prompt tokens; "
-                         "cannot derive SFT completions from it")
-    tail = full[len(prompt):]
+    if full[: len(prompt)] != prompt:
+        raise ValueError(
+            "the chat template renders the assistant turn in a way that changes the prompt tokens; "
+            "cannot derive SFT completions from it"
+        )
+    tail = full[len(prompt) :]
     for i, t in enumerate(tail):
         if t in stop_ids:
-            return tail[:i + 1]
+            return tail[: i + 1]
     if tokenizer.eos_token_id is None:
         raise ValueError("the chat template closes the assistant turn with no stop token and the tokenizer has no eos")
     return tail + [int(tokenizer.eos_token_id)]
 
 
 def build_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], list[int]]]:
-    from gpu_workers.tasks import prompt_tokens, prompt_text
+    from gpu_workers.tasks import prompt_text, prompt_tokens
     from intellect.config import ConfigError
     from intellect.tasks_setup import training_tasks
 
@@ -65,7 +67,7 @@ def build_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], list[int]]
         if task.answer is None:
             raise ConfigError(f"data: training task {i} has no reference answer to fine-tune on")
         prompt = prompt_tokens(task, tokenizer, 0, cfg.data.system_prompt)
-        messages = ([{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else [])
+        messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
         messages.append({"role": "user", "content": prompt_text(task, 0)})
         examples.append((prompt, completion_tokens(tokenizer, prompt, messages, task.answer, stop_ids)))
     return examples
@@ -81,17 +83,25 @@ def run(args: argparse.Namespace) -> int:
     from intellect.cli import config_from_args
 
     cfg = config_from_args(args)
-    bad = [f"--{flag} {value} (must be {rule})" for flag, value, ok, rule in (
-        ("steps", args.steps, args.steps >= 1, ">= 1"), ("batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
-        ("lr", args.lr, args.lr > 0, "> 0"), ("warmup", args.warmup, args.warmup >= 0, ">= 0")) if not ok]
+    bad = [
+        f"--{flag} {value} (must be {rule})"
+        for flag, value, ok, rule in (
+            ("steps", args.steps, args.steps >= 1, ">= 1"),
+            ("batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+            ("lr", args.lr, args.lr > 0, "> 0"),
+            ("warmup", args.warmup, args.warmup >= 0, ">= 0"),
+        )
+        if not ok
+    ]
     if bad:
         print(f"intellect sft: bad flag values: {'; '.join(bad)}", file=sys.stderr)
         return 2
     base = Path(cfg.model.path)
     out = args.out or Path(cfg.run.dir) / "sft"
     if (out / "STABLE").exists():
-        print(f"intellect sft: {out} already holds a finished model; remove it or choose another --out",
-              file=sys.stderr)
+        print(
+            f"intellect sft: {out} already holds a finished model; remove it or choose another --out", file=sys.stderr
+        )
         return 2
 
     from jax_trainer import host
@@ -111,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
     examples = build_examples(cfg, tokenizer, stop_token_ids(base))
     too_long = [i for i, (p, c) in enumerate(examples) if len(p) + len(c) > cfg.model.max_seq_len]
     if too_long:
-        print(f"intellect sft: {len(too_long)} examples (first: task {too_long[0]}) exceed model.max_seq_len "
-              f"{cfg.model.max_seq_len}", file=sys.stderr)
+        print(
+            f"intellect sft: {len(too_long)} examples (first: task {too_long[0]}) exceed model.max_seq_len "
+            f"{cfg.model.max_seq_len}",
+            file=sys.stderr,
+        )
         return 2
     mesh = mesh_from_config(cfg)
     model = load_base(cfg, base, mesh)
@@ -126,18 +139,34 @@ def run(args: argparse.Namespace) -> int:
         while True:
             if pos + args.batch_size > len(order):
                 order, pos = np.concatenate([order[pos:], rng.permutation(len(examples))]), 0
-            chosen = order[pos:pos + args.batch_size]
+            chosen = order[pos : pos + args.batch_size]
             pos += args.batch_size
             yield pack_examples([examples[i] for i in chosen], cfg.trainer.micro_batch_size, cfg.model.max_seq_len)
 
     metrics_path = cfg.run.metrics_path
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     last: dict = {}
-    state = sft_loop(trainer, state, batches(), args.steps, metrics_path=metrics_path,
-                     progress=not args.no_progress and sys.stderr.isatty(),
-                     on_step=lambda step, record: last.update(record))
+    state = sft_loop(
+        trainer,
+        state,
+        batches(),
+        args.steps,
+        metrics_path=metrics_path,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        on_step=lambda step, record: last.update(record),
+    )
     export_hf(trainer.model(state.params), out, version=0, source_dir=base, dtype=_base_dtype(base))
-    print(json.dumps({"out": str(out), "steps": args.steps, "loss": last.get("loss"),
-                      "accuracy": last.get("accuracy"), "examples": len(examples),
-                      "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "out": str(out),
+                "steps": args.steps,
+                "loss": last.get("loss"),
+                "accuracy": last.get("accuracy"),
+                "examples": len(examples),
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
+        ),
+        flush=True,
+    )
     return 0

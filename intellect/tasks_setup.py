@@ -23,24 +23,30 @@ def _file_tasks(data: DataConfig) -> TaskDataset:
     tasks = load_tasks(data.path, reward=data.task)
     kept = tasks.filter_solve_rate(data.solve_rate_min, data.solve_rate_max)
     if not len(kept):
-        raise ConfigError(f"data.path {data.path}: no task has a solve rate in [data.solve_rate_min, "
-                          f"data.solve_rate_max] = [{data.solve_rate_min}, {data.solve_rate_max}] "
-                          f"({len(tasks)} tasks before the filter)")
+        raise ConfigError(
+            f"data.path {data.path}: no task has a solve rate in [data.solve_rate_min, "
+            f"data.solve_rate_max] = [{data.solve_rate_min}, {data.solve_rate_max}] "
+            f"({len(tasks)} tasks before the filter)"
+        )
     return kept
 
 
 def training_tasks(data: DataConfig) -> TaskDataset:
     if data.path is None:
         if data.task not in FAMILIES:
-            raise ConfigError(f"data.task {data.task!r} needs data.path (a .jsonl or .parquet file of prompts); "
-                              f"the built-in synthetic tasks are {', '.join(FAMILIES)}")
+            raise ConfigError(
+                f"data.task {data.task!r} needs data.path (a .jsonl or .parquet file of prompts); "
+                f"the built-in synthetic tasks are {', '.join(FAMILIES)}"
+            )
         return synthetic_tasks(data.task, data.num_tasks, data.task_seed, data.digits)
     tasks = _file_tasks(data)
     if data.eval_path is None and data.eval_tasks:
         if len(tasks) <= data.eval_tasks:
-            raise ConfigError(f"data.path {data.path}: {len(tasks)} tasks cannot spare data.eval_tasks = "
-                              f"{data.eval_tasks} held-out rows; lower it or set data.eval_path")
-        return TaskDataset(tasks.tasks[:-data.eval_tasks], f"{tasks.name}[train]")
+            raise ConfigError(
+                f"data.path {data.path}: {len(tasks)} tasks cannot spare data.eval_tasks = "
+                f"{data.eval_tasks} held-out rows; lower it or set data.eval_path"
+            )
+        return TaskDataset(tasks.tasks[: -data.eval_tasks], f"{tasks.name}[train]")
     return tasks
 
 
@@ -49,12 +55,16 @@ def heldout_tasks(data: DataConfig) -> TaskDataset:
         return load_tasks(data.eval_path, reward=data.task)
     if data.path is not None:
         tasks = _file_tasks(data)
-        return TaskDataset(tasks.tasks[len(tasks) - min(data.eval_tasks, len(tasks) - 1):], f"{tasks.name}[held out]")
+        return TaskDataset(tasks.tasks[len(tasks) - min(data.eval_tasks, len(tasks) - 1) :], f"{tasks.name}[held out]")
     seen = {t.prompt for t in training_tasks(data)}
     fresh: list = []
     for attempt in range(8):  # small task spaces: draw more until enough unseen prompts turn up
-        pool = synthetic_tasks(data.task, 4 * max(data.eval_tasks, 1) * (attempt + 1),
-                               data.task_seed + _HELDOUT_STREAM + attempt, data.digits)
+        pool = synthetic_tasks(
+            data.task,
+            4 * max(data.eval_tasks, 1) * (attempt + 1),
+            data.task_seed + _HELDOUT_STREAM + attempt,
+            data.digits,
+        )
         for t in pool:
             if t.prompt not in seen:
                 seen.add(t.prompt)
@@ -62,7 +72,9 @@ def heldout_tasks(data: DataConfig) -> TaskDataset:
         if len(fresh) >= data.eval_tasks:
             break
     if len(fresh) < data.eval_tasks:
-        raise ConfigError(f"data.eval_tasks = {data.eval_tasks}: only {len(fresh)} {data.task} prompts of "
-                          f"{data.digits} digits are not training prompts; lower data.num_tasks or "
-                          "data.eval_tasks, or raise data.digits")
-    return TaskDataset(fresh[:data.eval_tasks], f"{data.task}-{data.digits}d[held out]")
+        raise ConfigError(
+            f"data.eval_tasks = {data.eval_tasks}: only {len(fresh)} {data.task} prompts of "
+            f"{data.digits} digits are not training prompts; lower data.num_tasks or "
+            "data.eval_tasks, or raise data.digits"
+        )
+    return TaskDataset(fresh[: data.eval_tasks], f"{data.task}-{data.digits}d[held out]")

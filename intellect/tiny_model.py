@@ -43,8 +43,10 @@ CHAT_TEMPLATE = (
 )
 
 # Qwen2's pre-tokenizer split: contractions, letters, single digits, punctuation runs, whitespace.
-PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-                     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 WORDS = """the of and to a in is it you that he was for on are with as his they be at one have this from or
 had by hot word but what some we can out other were all there when up use your how said an each she which
@@ -101,7 +103,7 @@ def _corpus(n_lines: int = 3000) -> list[str]:
             answer = rng.randint(0, 9999)
             lines.append(f"<think>\nThe sum is {answer}.\n</think>\nThe answer is \\boxed{{{answer}}}.")
         else:
-            lines.append(" ".join(str(rng.randint(0, 10**rng.randint(1, 6))) for _ in range(rng.randint(2, 8))))
+            lines.append(" ".join(str(rng.randint(0, 10 ** rng.randint(1, 6))) for _ in range(rng.randint(2, 8))))
     return lines
 
 
@@ -112,23 +114,35 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB):
 
     byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size < len(byte_alphabet) + len(SPECIAL_TOKENS) + 1:
-        raise ValueError(f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
-                         f"{len(byte_alphabet) + len(SPECIAL_TOKENS) + 1} tokens")
+        raise ValueError(
+            f"vocab size {vocab_size} is too small: a byte-level BPE needs at least "
+            f"{len(byte_alphabet) + len(SPECIAL_TOKENS) + 1} tokens"
+        )
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=byte_alphabet,
-        min_frequency=2, show_progress=False)
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=byte_alphabet,
+        min_frequency=2,
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_corpus(), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
-        extra_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
-        model_max_length=MAX_POSITION_EMBEDDINGS)
+        tokenizer_object=tokenizer,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        extra_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+    )
 
 
 def parse_rope_scaling(spec: str | dict | None, max_position: int = MAX_POSITION_EMBEDDINGS) -> dict | None:
@@ -148,11 +162,15 @@ def parse_rope_scaling(spec: str | dict | None, max_position: int = MAX_POSITION
     if kind == "linear":
         out = {"rope_type": "linear", "factor": factor}
     elif kind == "llama3":
-        out = {"rope_type": "llama3", "factor": factor,
-               "low_freq_factor": float(spec.pop("low_freq_factor", 1.0)),
-               "high_freq_factor": float(spec.pop("high_freq_factor", 4.0)),
-               "original_max_position_embeddings": int(spec.pop(
-                   "original_max_position_embeddings", max(1, int(max_position / factor))))}
+        out = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": float(spec.pop("low_freq_factor", 1.0)),
+            "high_freq_factor": float(spec.pop("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(
+                spec.pop("original_max_position_embeddings", max(1, int(max_position / factor)))
+            ),
+        }
     else:
         raise ValueError(f"rope scaling type {kind!r} is not supported: use 'linear' or 'llama3'")
     if spec:
@@ -160,9 +178,21 @@ def parse_rope_scaling(spec: str | dict | None, max_position: int = MAX_POSITION
     return out
 
 
-def make_config(family: str, *, vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                intermediate: int | None, head_dim: int | None, tie_embeddings: bool,
-                rope_scaling: str | dict | None, rope_theta: float, dtype: str):
+def make_config(
+    family: str,
+    *,
+    vocab_size: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int | None,
+    head_dim: int | None,
+    tie_embeddings: bool,
+    rope_scaling: str | dict | None,
+    rope_theta: float,
+    dtype: str,
+):
     """The transformers config object of a tiny model."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -172,16 +202,28 @@ def make_config(family: str, *, vocab_size: int, hidden: int, layers: int, heads
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     head_dim = head_dim or hidden // heads
     if family == "qwen2" and head_dim * heads != hidden:
-        raise ValueError(f"qwen2 derives head_dim from hidden/heads: head_dim={head_dim} with {heads} heads "
-                         f"needs hidden={head_dim * heads}, not {hidden}")
+        raise ValueError(
+            f"qwen2 derives head_dim from hidden/heads: head_dim={head_dim} with {heads} heads "
+            f"needs hidden={head_dim * heads}, not {hidden}"
+        )
     rope = {"rope_type": "default", **(parse_rope_scaling(rope_scaling) or {}), "rope_theta": float(rope_theta)}
     common = dict(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate or 3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS, rms_norm_eps=1e-6, tie_word_embeddings=tie_embeddings,
-        rope_parameters=rope, bos_token_id=None, eos_token_id=0, pad_token_id=0, dtype=dtype,
-        architectures=[{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                        "llama": "LlamaForCausalLM"}[family]])
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate or 3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_embeddings,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+        dtype=dtype,
+        architectures=[{"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[family]],
+    )
     if family == "qwen2":
         return Qwen2Config(**common, use_sliding_window=False)
     if family == "qwen3":
@@ -205,11 +247,22 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int):
     raise ValueError(f"no init rule for parameter {name} {shape}")
 
 
-def make_tiny_model(out_dir: str | Path, family: str = "qwen2", hidden: int = 128, layers: int = 2,
-                    heads: int = 4, kv_heads: int = 2, vocab: int | None = None, intermediate: int | None = None,
-                    head_dim: int | None = None, tie_embeddings: bool | None = None,
-                    rope_scaling: str | dict | None = None, rope_theta: float = 10000.0, seed: int = 0,
-                    dtype: str = "float32") -> Path:
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "qwen2",
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int | None = None,
+    intermediate: int | None = None,
+    head_dim: int | None = None,
+    tie_embeddings: bool | None = None,
+    rope_scaling: str | dict | None = None,
+    rope_theta: float = 10000.0,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
     """Write a tiny random HF model directory to `out_dir` and return its path.
 
     `vocab`: the config's vocab_size; the tokenizer has min(vocab, 512) tokens (special tokens included) and a
@@ -228,10 +281,20 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2", hidden: int = 12
     vocab_size = max(vocab or 0, len(tokenizer))
     if tie_embeddings is None:
         tie_embeddings = family != "llama"
-    config = make_config(family, vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads,
-                         kv_heads=kv_heads, intermediate=intermediate, head_dim=head_dim,
-                         tie_embeddings=tie_embeddings, rope_scaling=rope_scaling, rope_theta=rope_theta,
-                         dtype=dtype)
+    config = make_config(
+        family,
+        vocab_size=vocab_size,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate,
+        head_dim=head_dim,
+        tie_embeddings=tie_embeddings,
+        rope_scaling=rope_scaling,
+        rope_theta=rope_theta,
+        dtype=dtype,
+    )
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -240,8 +303,10 @@ def make_tiny_model(out_dir: str | Path, family: str = "qwen2", hidden: int = 12
             param.copy_(torch.from_numpy(value).to(torch.float32))
     model = model.to(torch_dtype)
     model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, IM_END)],
-        pad_token_id=tokenizer.pad_token_id)
+        bos_token_id=None,
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, IM_END)],
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -258,8 +323,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=None, help="config vocab_size (>= tokenizer size pads)")
     parser.add_argument("--intermediate", type=int, default=None, help="MLP width (default 3 * hidden)")
     parser.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
-    parser.add_argument("--tie", dest="tie_embeddings", action=argparse.BooleanOptionalAction, default=None,
-                        help="tie the LM head to the embeddings (default: yes for qwen, no for llama)")
+    parser.add_argument(
+        "--tie",
+        dest="tie_embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tie the LM head to the embeddings (default: yes for qwen, no for llama)",
+    )
     parser.add_argument("--rope-scaling", default=None, help="linear:FACTOR or llama3:FACTOR")
     parser.add_argument("--rope-theta", type=float, default=10000.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -269,14 +339,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build the model and print what was written."""
     out = make_tiny_model(
-        args.out, family=args.family, hidden=args.hidden, layers=args.layers, heads=args.heads,
-        kv_heads=args.kv_heads, vocab=args.vocab, intermediate=args.intermediate, head_dim=args.head_dim,
-        tie_embeddings=args.tie_embeddings, rope_scaling=args.rope_scaling, rope_theta=args.rope_theta,
-        seed=args.seed, dtype=args.dtype)
+        args.out,
+        family=args.family,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        intermediate=args.intermediate,
+        head_dim=args.head_dim,
+        tie_embeddings=args.tie_embeddings,
+        rope_scaling=args.rope_scaling,
+        rope_theta=args.rope_theta,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
     config: dict[str, Any] = json.loads((out / "config.json").read_text())
-    print(f"wrote {config['model_type']} model to {out}: hidden {config['hidden_size']}, "
-          f"layers {config['num_hidden_layers']}, vocab {config['vocab_size']}, "
-          f"tied {config['tie_word_embeddings']}, dtype {config['dtype']}")
+    print(
+        f"wrote {config['model_type']} model to {out}: hidden {config['hidden_size']}, "
+        f"layers {config['num_hidden_layers']}, vocab {config['vocab_size']}, "
+        f"tied {config['tie_word_embeddings']}, dtype {config['dtype']}"
+    )
     for path in sorted(out.iterdir()):
         print(f"  {path.name}  {path.stat().st_size} bytes")
     return 0

@@ -29,7 +29,11 @@ def build_learner(cfg):
 
     from bridge.rollouts import RolloutStore
     from intellect.learner_setup import (
-        abstract_from_hf_config, init_distributed, load_base, mesh_from_config, trainer_for,
+        abstract_from_hf_config,
+        init_distributed,
+        load_base,
+        mesh_from_config,
+        trainer_for,
     )
     from jax_trainer.checkpoint import Checkpointer
     from jax_trainer.data import RolloutPipeline, StoreListing
@@ -69,11 +73,19 @@ def build_learner(cfg):
     t = cfg.trainer
     samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     source = RolloutPipeline(
-        store, accepted, samples_per_step=samples, rows=t.micro_batch_size, seq_len=cfg.model.max_seq_len,
-        multiple_of=t.steps_per_batch, micro_batches=t.micro_batches, truncate=t.truncate,
-        advantage_mode="std" if cfg.loss.std_normalize else "mean", drop_zero_groups=cfg.data.online_filter,
+        store,
+        accepted,
+        samples_per_step=samples,
+        rows=t.micro_batch_size,
+        seq_len=cfg.model.max_seq_len,
+        multiple_of=t.steps_per_batch,
+        micro_batches=t.micro_batches,
+        truncate=t.truncate,
+        advantage_mode="std" if cfg.loss.std_normalize else "mean",
+        drop_zero_groups=cfg.data.online_filter,
         async_level=t.async_level,
-        keep_versions=t.rollout_keep_versions)
+        keep_versions=t.rollout_keep_versions,
+    )
     learner = Learner(trainer, source, run_dir, base_dir, t, ckpt, announce=announce)
     return learner, params
 

@@ -24,9 +24,18 @@ def build_validator(cfg, tasks, stop=None):
     from gpu_workers.validator import Validator
 
     key_path = cfg.validator.key_path or cfg.run.keys_dir / "validator.key"
-    return Validator(cfg.validator, cfg.worker, cfg.data, cfg.shardcast, tasks, key_path=key_path,
-                     weights_dir=cfg.validator.weights_dir or node_dir(cfg, "validator", key_path) / "weights",
-                     store=store_location(cfg), servers=client_servers(cfg), stop=stop)
+    return Validator(
+        cfg.validator,
+        cfg.worker,
+        cfg.data,
+        cfg.shardcast,
+        tasks,
+        key_path=key_path,
+        weights_dir=cfg.validator.weights_dir or node_dir(cfg, "validator", key_path) / "weights",
+        store=store_location(cfg),
+        servers=client_servers(cfg),
+        stop=stop,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,9 +42,17 @@ def build_worker(cfg, tasks, stop=None):
     from gpu_workers.worker import Worker
 
     key_path = cfg.worker.key_path or cfg.run.keys_dir / "worker.key"
-    return Worker(cfg.worker, cfg.data, cfg.shardcast, tasks, key_path=key_path,
-                  weights_dir=cfg.worker.weights_dir or node_dir(cfg, "worker", key_path) / "weights",
-                  store=store_location(cfg), servers=client_servers(cfg), stop=stop)
+    return Worker(
+        cfg.worker,
+        cfg.data,
+        cfg.shardcast,
+        tasks,
+        key_path=key_path,
+        weights_dir=cfg.worker.weights_dir or node_dir(cfg, "worker", key_path) / "weights",
+        store=store_location(cfg),
+        servers=client_servers(cfg),
+        stop=stop,
+    )
 
 
 def setup_logging(cfg, role: str) -> None:

@@ -29,15 +29,22 @@ class Advantages:
     dropped_groups: int
 
 
-def group_advantages(rewards: np.ndarray, group_ids: np.ndarray, mode: AdvantageMode = "std",
-                     eps: float = 1e-6, drop_zero_groups: bool = True) -> Advantages:
+def group_advantages(
+    rewards: np.ndarray,
+    group_ids: np.ndarray,
+    mode: AdvantageMode = "std",
+    eps: float = 1e-6,
+    drop_zero_groups: bool = True,
+) -> Advantages:
     """Advantages of samples `rewards` [n] grouped by `group_ids` [n] (any integer labels)."""
     rewards = np.asarray(rewards, np.float64)
     group_ids = np.asarray(group_ids)
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
         raise ValueError(f"advantages: rewards {rewards.shape} and group_ids {group_ids.shape} must be equal 1-D")
     if not np.all(np.isfinite(rewards)):
-        raise ValueError(f"advantages: non-finite reward at indices {np.flatnonzero(~np.isfinite(rewards))[:8].tolist()}")
+        raise ValueError(
+            f"advantages: non-finite reward at indices {np.flatnonzero(~np.isfinite(rewards))[:8].tolist()}"
+        )
     if mode not in ("std", "mean"):
         raise ValueError(f"advantages: mode {mode!r} is not one of 'std', 'mean'")
     labels, inverse, counts = np.unique(group_ids, return_inverse=True, return_counts=True)

@@ -32,8 +32,7 @@ def _named_leaves(tree) -> dict[str, Any]:
 class Checkpointer:
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -43,8 +42,11 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state, meta: dict[str, Any]) -> None:
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(_named_leaves(state)), meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardSave(_named_leaves(state)), meta=ocp.args.JsonSave(meta)),
+            force=True,
+        )
         self.manager.wait_until_finished()
 
     def restore(self, template, step: int | None = None) -> tuple[Any, dict[str, Any]]:
@@ -53,21 +55,27 @@ class Checkpointer:
         if step is None:
             raise CheckpointError(f"{self.directory}: no checkpoint to restore")
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-        abstract = {jax.tree_util.keystr(p): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                    for p, x in leaves}
+        abstract = {
+            jax.tree_util.keystr(p): jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for p, x in leaves
+        }
         stored = self.manager.item_metadata(step)["state"]
         if stored is not None and set(stored) != set(abstract):
             missing = sorted(set(abstract) - set(stored))[:5]
             extra = sorted(set(stored) - set(abstract))[:5]
-            raise CheckpointError(f"{self.directory}/{step}: checkpoint does not match the model/optimizer "
-                                  f"(missing {missing}, unexpected {extra})")
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            raise CheckpointError(
+                f"{self.directory}/{step}: checkpoint does not match the model/optimizer "
+                f"(missing {missing}, unexpected {extra})"
+            )
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
         values = [restored["state"][jax.tree_util.keystr(p)] for p, _ in leaves]
         for (p, want), got in zip(leaves, values):
             if got.shape != want.shape or got.dtype != want.dtype:
-                raise CheckpointError(f"{self.directory}/{step}: {jax.tree_util.keystr(p)} is {got.dtype}{list(got.shape)}"
-                                      f", expected {want.dtype}{list(want.shape)}")
+                raise CheckpointError(
+                    f"{self.directory}/{step}: {jax.tree_util.keystr(p)} is {got.dtype}{list(got.shape)}"
+                    f", expected {want.dtype}{list(want.shape)}"
+                )
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), values), dict(restored["meta"])
 
     def read_meta(self, step: int | None = None) -> tuple[int, dict[str, Any]]:

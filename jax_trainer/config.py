@@ -90,10 +90,16 @@ class TrainerConfig(Section):
     def _check(self) -> TrainerConfig:
         axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
         for name, size in axes.items():
-            require(size == -1 or size >= 1, (f"trainer.{name}",),
-                    f"trainer.{name} = {size}: a mesh axis size is a positive integer or -1 (fill)")
-        require(list(axes.values()).count(-1) <= 1, tuple(f"trainer.{a}" for a in axes),
-                "at most one of trainer.data, trainer.fsdp, trainer.tensor may be -1 (fill)")
+            require(
+                size == -1 or size >= 1,
+                (f"trainer.{name}",),
+                f"trainer.{name} = {size}: a mesh axis size is a positive integer or -1 (fill)",
+            )
+        require(
+            list(axes.values()).count(-1) <= 1,
+            tuple(f"trainer.{a}" for a in axes),
+            "at most one of trainer.data, trainer.fsdp, trainer.tensor may be -1 (fill)",
+        )
         return self
 
 
@@ -125,8 +131,11 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
-        require(self.delta > 1 + self.eps_high, ("loss.delta", "loss.eps_high"),
-                f"loss.delta ({self.delta}) must exceed 1 + loss.eps_high ({1 + self.eps_high})")
+        require(
+            self.delta > 1 + self.eps_high,
+            ("loss.delta", "loss.eps_high"),
+            f"loss.delta ({self.delta}) must exceed 1 + loss.eps_high ({1 + self.eps_high})",
+        )
         return self
 
 

@@ -87,19 +87,29 @@ class StoreListing:
     only when the workers are trusted (one box, one user). Records are ordered by version, then batch id.
     """
 
-    def __init__(self, store: RolloutStore, *, rewards: Mapping[str, Sequence[float]] | None = None,
-                 trust_worker_rewards: bool = False):
+    def __init__(
+        self,
+        store: RolloutStore,
+        *,
+        rewards: Mapping[str, Sequence[float]] | None = None,
+        trust_worker_rewards: bool = False,
+    ):
         if (rewards is None) == (not trust_worker_rewards):
-            raise ValueError("StoreListing: give validator rewards, or trust_worker_rewards=True (single box), "
-                             "not both and not neither")
+            raise ValueError(
+                "StoreListing: give validator rewards, or trust_worker_rewards=True (single box), "
+                "not both and not neither"
+            )
         self.store, self.rewards = store, rewards
 
     def accepted(self, min_version: int) -> list[AcceptedBatch]:
         refs = sorted(self.store.list(min_version), key=lambda r: (r.version, r.batch_id))
         if self.rewards is None:
             return [AcceptedBatch(r.batch_id, r.version, None) for r in refs]
-        return [AcceptedBatch(r.batch_id, r.version, np.asarray(self.rewards[r.batch_id], np.float32))
-                for r in refs if r.batch_id in self.rewards]
+        return [
+            AcceptedBatch(r.batch_id, r.version, np.asarray(self.rewards[r.batch_id], np.float32))
+            for r in refs
+            if r.batch_id in self.rewards
+        ]
 
 
 @dataclasses.dataclass
@@ -187,22 +197,53 @@ class RolloutPipeline:
     before a batch counts as invalid.
     """
 
-    def __init__(self, store: RolloutStore, accepted: AcceptedBatches, *, samples_per_step: int, rows: int,
-                 seq_len: int, multiple_of: int = 1, micro_batches: int | None = None, advantage_mode: str = "std",
-                 drop_zero_groups: bool = True, truncate: bool = False, async_level: int = 2, vocab_size: int | None = None, prefetch: int = 4,
-                 stale_lookback: int = 2, poll_interval: float = 0.2, keep_versions: int | None = None,
-                 read_retries: int = 1):
-        if samples_per_step <= 0 or prefetch <= 0 or poll_interval <= 0 or min(async_level, stale_lookback,
-                                                                                read_retries) < 0:
-            raise ValueError("RolloutPipeline: samples_per_step, prefetch and poll_interval must be positive, "
-                             "async_level, stale_lookback and read_retries non-negative")
+    def __init__(
+        self,
+        store: RolloutStore,
+        accepted: AcceptedBatches,
+        *,
+        samples_per_step: int,
+        rows: int,
+        seq_len: int,
+        multiple_of: int = 1,
+        micro_batches: int | None = None,
+        advantage_mode: str = "std",
+        drop_zero_groups: bool = True,
+        truncate: bool = False,
+        async_level: int = 2,
+        vocab_size: int | None = None,
+        prefetch: int = 4,
+        stale_lookback: int = 2,
+        poll_interval: float = 0.2,
+        keep_versions: int | None = None,
+        read_retries: int = 1,
+    ):
+        if (
+            samples_per_step <= 0
+            or prefetch <= 0
+            or poll_interval <= 0
+            or min(async_level, stale_lookback, read_retries) < 0
+        ):
+            raise ValueError(
+                "RolloutPipeline: samples_per_step, prefetch and poll_interval must be positive, "
+                "async_level, stale_lookback and read_retries non-negative"
+            )
         if keep_versions is not None and keep_versions < async_level + 1:
-            raise ValueError(f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
-                             f"({async_level + 1}), or rollouts still in the window would be deleted")
+            raise ValueError(
+                f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
+                f"({async_level + 1}), or rollouts still in the window would be deleted"
+            )
         self.store, self.accepted = store, accepted
         self.samples_per_step = samples_per_step
-        self.pack_args = dict(rows=rows, seq_len=seq_len, multiple_of=multiple_of, micro_batches=micro_batches,
-                              advantage_mode=advantage_mode, drop_zero_groups=drop_zero_groups, truncate=truncate)
+        self.pack_args = dict(
+            rows=rows,
+            seq_len=seq_len,
+            multiple_of=multiple_of,
+            micro_batches=micro_batches,
+            advantage_mode=advantage_mode,
+            drop_zero_groups=drop_zero_groups,
+            truncate=truncate,
+        )
         self.async_level, self.vocab_size = async_level, vocab_size
         self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
         self.keep_versions, self.read_retries = keep_versions, read_retries
@@ -235,9 +276,9 @@ class RolloutPipeline:
             return _Loaded(record, error=str(e))
         for attempt in range(self.read_retries + 1):
             try:
-                batch = self._store_for(record.store_url).read(record.version, record.batch_id,
-                                                               vocab_size=self.vocab_size,
-                                                               expect_sha256=record.sha256)
+                batch = self._store_for(record.store_url).read(
+                    record.version, record.batch_id, vocab_size=self.vocab_size, expect_sha256=record.sha256
+                )
                 break
             except (RolloutStoreError, ValueError) as e:  # ValueError: a store URL that does not open
                 error = str(e)
@@ -249,8 +290,11 @@ class RolloutPipeline:
             return _Loaded(record, batch, batch.rewards)
         rewards = np.asarray(record.rewards, np.float32)
         if rewards.shape != (batch.num_samples,) or not np.all(np.isfinite(rewards)):
-            return _Loaded(record, error=f"rollout batch {where}: validator rewards: shape {rewards.shape} for "
-                                         f"{batch.num_samples} samples, or non-finite values")
+            return _Loaded(
+                record,
+                error=f"rollout batch {where}: validator rewards: shape {rewards.shape} for "
+                f"{batch.num_samples} samples, or non-finite values",
+            )
         return _Loaded(record, batch, rewards)
 
     def start(self, step: int) -> None:
@@ -259,7 +303,8 @@ class RolloutPipeline:
         if self._iter is None:
             self._stop.clear()
             dataset = grain.experimental.ThreadPrefetchIterDataset(
-                _AcceptedStream(self).map(self._load), prefetch_buffer_size=self.prefetch)
+                _AcceptedStream(self).map(self._load), prefetch_buffer_size=self.prefetch
+            )
             self._iter = iter(dataset)
             self._iter.start_prefetch()
 
@@ -293,8 +338,10 @@ class RolloutPipeline:
                     return item
                 if deadline is not None and time.monotonic() >= deadline:
                     extra = f"; last listing error: {self._listing_error}" if self._listing_error else ""
-                    raise TimeoutError(f"rollout pipeline: step {step} has {have} of {self.samples_per_step} "
-                                       f"samples and no further accepted batch arrived in time{extra}")
+                    raise TimeoutError(
+                        f"rollout pipeline: step {step} has {have} of {self.samples_per_step} "
+                        f"samples and no further accepted batch arrived in time{extra}"
+                    )
         finally:
             self._waiting.clear()
 
@@ -327,8 +374,17 @@ class RolloutPipeline:
             _, local = np.unique(b.group_ids, return_inverse=True)  # groups never span batches
             name = batch_path(*item.key)
             for i in range(b.num_samples):
-                out.append(Rollout(b.sample_tokens(i), int(b.prompt_lens[i]), b.sample_logprobs(i),
-                                   float(item.rewards[i]), groups + int(local[i]), int(b.meta.version), f"{name}#{i}"))
+                out.append(
+                    Rollout(
+                        b.sample_tokens(i),
+                        int(b.prompt_lens[i]),
+                        b.sample_logprobs(i),
+                        float(item.rewards[i]),
+                        groups + int(local[i]),
+                        int(b.meta.version),
+                        f"{name}#{i}",
+                    )
+                )
             groups += int(local.max()) + 1
         return out
 
@@ -361,8 +417,11 @@ class RolloutPipeline:
         return StepBatch(batch.packed, stats, tuple(f"v{item.key[0]}/{item.key[1]}" for item in items))
 
     def cursor(self) -> dict[str, Any]:
-        return {"consumed": sorted([v, b] for v, b in self._consumed), "floor": self._floor,
-                "totals": dict(self._totals)}
+        return {
+            "consumed": sorted([v, b] for v, b in self._consumed),
+            "floor": self._floor,
+            "totals": dict(self._totals),
+        }
 
     def restore(self, cursor: dict[str, Any]) -> None:
         """Continue after the batches `cursor` says were consumed (stops any read-ahead first)."""
@@ -370,8 +429,10 @@ class RolloutPipeline:
             consumed = {(int(v), str(b)) for v, b in cursor["consumed"]}
             floor, totals = int(cursor["floor"]), {str(k): int(v) for k, v in cursor["totals"].items()}
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"rollout pipeline: malformed cursor ({type(e).__name__}: {e}); expected "
-                             "{'consumed': [[version, batch_id], ...], 'floor': int, 'totals': {...}}") from e
+            raise ValueError(
+                f"rollout pipeline: malformed cursor ({type(e).__name__}: {e}); expected "
+                "{'consumed': [[version, batch_id], ...], 'floor': int, 'totals': {...}}"
+            ) from e
         self.close()
         self._consumed, self._floor = consumed, floor
         self._totals, self._counts = collections.Counter(totals), collections.Counter()
@@ -394,6 +455,7 @@ class OrchestratorListing:
         records, self._after = self.client.all_batches("accepted", min_version=min_version, after=self._after)
         for r in records:
             self._known[(r.version, r.batch_id)] = AcceptedBatch(
-                r.batch_id, r.version, None if r.rewards is None else np.asarray(r.rewards, np.float32), r.sha256)
+                r.batch_id, r.version, None if r.rewards is None else np.asarray(r.rewards, np.float32), r.sha256
+            )
         self._known = {k: v for k, v in self._known.items() if k[0] >= min_version}
         return list(self._known.values())  # in the order the validators judged them

@@ -93,7 +93,16 @@ def export_params(
                 f"export: {spec.hf_name} has shape {list(arrays[spec.path].shape)}, expected {list(spec.jax_shape)}"
             )
     np_dtype = resolve_dtype(dtype)
-    return write_version(specs, lambda spec: _hf_host_value(arrays[spec.path], spec, np_dtype), out_dir,
-                         version=version, writer=jax.process_index() == 0, source_dir=source_dir,
-                         hf_config=hf_config, dtype=dtype, max_shard_bytes=max_shard_bytes, fsync=fsync,
-                         delta_bases=delta_bases)
+    return write_version(
+        specs,
+        lambda spec: _hf_host_value(arrays[spec.path], spec, np_dtype),
+        out_dir,
+        version=version,
+        writer=jax.process_index() == 0,
+        source_dir=source_dir,
+        hf_config=hf_config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        fsync=fsync,
+        delta_bases=delta_bases,
+    )

@@ -38,8 +38,10 @@ def retain_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # each call returns 1 on success; arenas are limited first, before XLA starts its thread pools. Trimming is
     # bounded, not off: with none at all the heap's free top grew by a step's worth every few steps
-    return all(mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+    return all(
+        mallopt(param, value) == 1
+        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    )
 
 
 def auto_retain(model_dir: str | Path, physical_bytes: int | None = None) -> tuple[bool, str]:
@@ -65,10 +67,16 @@ def auto_retain(model_dir: str | Path, physical_bytes: int | None = None) -> tup
     physical = physical_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     need = 4 * 16 * params
     if need < physical:
-        return True, f"~{params / 1e6:.0f}M parameters: 4 x 16 bytes each ({need / 2**30:.1f} GiB) fit in " \
-                     f"{physical / 2**30:.1f} GiB"
-    return False, f"~{params / 1e6:.0f}M parameters: 4 x 16 bytes each ({need / 2**30:.1f} GiB) exceed " \
-                  f"{physical / 2**30:.1f} GiB of memory"
+        return (
+            True,
+            f"~{params / 1e6:.0f}M parameters: 4 x 16 bytes each ({need / 2**30:.1f} GiB) fit in "
+            f"{physical / 2**30:.1f} GiB",
+        )
+    return (
+        False,
+        f"~{params / 1e6:.0f}M parameters: 4 x 16 bytes each ({need / 2**30:.1f} GiB) exceed "
+        f"{physical / 2**30:.1f} GiB of memory",
+    )
 
 
 def prepare(retain_memory: bool | str = True, model_dir: str | Path | None = None) -> dict:

@@ -32,8 +32,7 @@ NEG_INF = float(jnp.finfo(jnp.float32).min)
 
 # ---- dense ---------------------------------------------------------------------------------------------------
 def _contract(a: jax.Array, b: jax.Array, a_dims, b_dims) -> jax.Array:
-    return jax.lax.dot_general(a, b, ((tuple(a_dims), tuple(b_dims)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, ((tuple(a_dims), tuple(b_dims)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -121,8 +120,10 @@ def _attention_forward(q, k, v, mask, block):
     scale = 1.0 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for start, end in _blocks(q.shape[3], block):
-        scores = jnp.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, start:end], k[:, :, :end],
-                            preferred_element_type=jnp.float32) * scale
+        scores = (
+            jnp.einsum("bhgqd,bhkd->bhgqk", q[:, :, :, start:end], k[:, :, :end], preferred_element_type=jnp.float32)
+            * scale
+        )
         scores = jnp.where(mask[:, None, None, start:end, :end], scores, NEG_INF)
         row_max = jnp.max(scores, axis=-1, keepdims=True)
         e = jnp.exp(scores - row_max)
@@ -168,7 +169,8 @@ def _attention_bwd(block, res, d_out):
         scores_t = jnp.where(mask_t[:, None, :end, None, start:end], scores_t, NEG_INF)
         probs_t = jnp.exp(scores_t - lse[:, :, None, :, start:end])
         dv = dv.at[:, :, :end].add(
-            jnp.einsum("bhkgq,bhgqd->bhkd", probs_t.astype(v.dtype), do, preferred_element_type=jnp.float32))
+            jnp.einsum("bhkgq,bhgqd->bhkd", probs_t.astype(v.dtype), do, preferred_element_type=jnp.float32)
+        )
         dp_t = jnp.einsum("bhkd,bhgqd->bhkgq", vb, do, preferred_element_type=jnp.float32)
         ds_t = (probs_t * (dp_t - delta[:, :, None, :, start:end]) * scale).astype(q.dtype)
         dk = dk.at[:, :, :end].add(jnp.einsum("bhkgq,bhgqd->bhkd", ds_t, qb, preferred_element_type=jnp.float32))
@@ -235,8 +237,7 @@ def _logprobs_bwd(temperature, res, cotangents):
     zeros = jnp.zeros(lse.shape, jnp.float32)
     d_lp = d_lp if with_lp else zeros
     d_ent = d_ent if with_ent else zeros
-    d_head, d_hidden = jax.lax.scan(chunk, jnp.zeros(head.shape, jnp.float32),
-                                    (hidden, targets, ent, lse, d_lp, d_ent))
+    d_head, d_hidden = jax.lax.scan(chunk, jnp.zeros(head.shape, jnp.float32), (hidden, targets, ent, lse, d_lp, d_ent))
     return d_hidden, d_head.astype(head.dtype), None
 
 

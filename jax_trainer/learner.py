@@ -30,9 +30,17 @@ from jax_trainer.train_step import GRPOTrainer, TrainState
 
 
 class Learner:
-    def __init__(self, trainer: GRPOTrainer, source: BatchSource, run_dir: str | Path, base_model_dir: str | Path,
-                 config: TrainerConfig, checkpointer: Checkpointer | None = None,
-                 announce: Callable[[int, Path], None] | None = None, progress: bool = True):
+    def __init__(
+        self,
+        trainer: GRPOTrainer,
+        source: BatchSource,
+        run_dir: str | Path,
+        base_model_dir: str | Path,
+        config: TrainerConfig,
+        checkpointer: Checkpointer | None = None,
+        announce: Callable[[int, Path], None] | None = None,
+        progress: bool = True,
+    ):
         """Of `config` the loop reads `steps`, `export_interval`, `checkpoint_interval`, `export_dtype` and
         `batch_timeout_s`; `trainer` and `source` were built from the rest of it."""
         self.trainer = trainer
@@ -61,8 +69,13 @@ class Learner:
         version = _scalar(state.step)
         out = self.weights_dir / f"v{version:06d}"
         if not _on_all_processes((out / "STABLE").exists()):
-            export_hf(self.trainer.model(state.params), out, version=version, source_dir=self.base_model_dir,
-                      dtype=self.config.export_dtype)
+            export_hf(
+                self.trainer.model(state.params),
+                out,
+                version=version,
+                source_dir=self.base_model_dir,
+                dtype=self.config.export_dtype,
+            )
         if self.announce is not None and self.is_writer:
             self.announce(version, out)
         return out
@@ -104,8 +117,13 @@ class Learner:
         version = _scalar(state.step)
         staleness = collections.Counter(step - v for v in batch.packed.versions)
         record = {
-            "role": "learner", "step": version, "time": time.time(), **metrics, **batch.stats,
-            "wait_s": t1 - t0, "step_s": t2 - t1,
+            "role": "learner",
+            "step": version,
+            "time": time.time(),
+            **metrics,
+            **batch.stats,
+            "wait_s": t1 - t0,
+            "step_s": t2 - t1,
             "tokens_per_s": float(np.sum(batch.packed.segment_ids > 0)) / max(t2 - t1, 1e-9),
             "busy_frac": (t2 - t1) / max(t2 - t0, 1e-9),
             "staleness_hist": {str(k): c for k, c in sorted(staleness.items())},
@@ -131,8 +149,12 @@ def checkpoint_meta(base_model_dir: str | Path, version: int, cursor: dict | Non
     """What a checkpoint needs besides arrays: the data cursor, and the base model (its config.json rebuilds the
     model for `intellect export`; its tokenizer files go into every export)."""
     base = Path(base_model_dir).absolute()
-    return {"cursor": cursor, "version": version, "base_model": str(base),
-            "hf_config": json.loads((base / "config.json").read_text())}
+    return {
+        "cursor": cursor,
+        "version": version,
+        "base_model": str(base),
+        "hf_config": json.loads((base / "config.json").read_text()),
+    }
 
 
 def _on_all_processes(flag: bool) -> bool:
@@ -154,17 +176,27 @@ class _Progress:
         if self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("learner"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("{task.description}"), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn("learner"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+            )
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total, completed=self.start)
         return self
 
     def update(self, step: int, r: dict) -> None:
         if self.enabled:
-            self.bar.update(self.task, completed=step, description=(
-                f"loss {r['loss']:+.4f} reward {r.get('reward_mean', float('nan')):.3f} "
-                f"{r['tokens_per_s']:.0f} tok/s"))
+            self.bar.update(
+                self.task,
+                completed=step,
+                description=(
+                    f"loss {r['loss']:+.4f} reward {r.get('reward_mean', float('nan')):.3f} "
+                    f"{r['tokens_per_s']:.0f} tok/s"
+                ),
+            )
 
     def __exit__(self, *exc):
         if self.enabled:

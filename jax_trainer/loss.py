@@ -27,8 +27,9 @@ from jax_trainer.config import LossConfig
 from jax_trainer.kernels import sampled_logprobs
 
 
-def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0,
-                   chunk: int = 128) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(
+    hidden: jax.Array, head: jax.Array, targets: jax.Array, temperature: float = 1.0, chunk: int = 128
+) -> tuple[jax.Array, jax.Array]:
     """log pi(targets[b, t] | hidden[b, t]) and the entropy at each position, both [batch, seq] float32.
 
     The sequence is processed `chunk` positions at a time (`jax_trainer.kernels.sampled_logprobs`): the
@@ -49,8 +50,9 @@ def token_logprobs(hidden: jax.Array, head: jax.Array, targets: jax.Array, tempe
     return lp, ent
 
 
-def token_weights(mask: jax.Array, completion_lens: jax.Array, config: LossConfig,
-                  total_tokens: jax.Array, total_samples: jax.Array) -> jax.Array:
+def token_weights(
+    mask: jax.Array, completion_lens: jax.Array, config: LossConfig, total_tokens: jax.Array, total_samples: jax.Array
+) -> jax.Array:
     """Per-token weights of the loss sum; the normaliser of each mode:
 
     - token_mean:          1 / (completion tokens in the optimizer step's whole batch): every token counts
@@ -68,9 +70,18 @@ def token_weights(mask: jax.Array, completion_lens: jax.Array, config: LossConfi
     raise ValueError(f"loss.aggregation {config.aggregation!r} is not one of token_mean, seq_mean_token_mean, constant")
 
 
-def policy_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, weights: jax.Array,
-                mask: jax.Array, config: LossConfig, *, inference_logprobs: jax.Array | None = None,
-                ref_logprobs: jax.Array | None = None, entropy: jax.Array | None = None):
+def policy_loss(
+    logprobs: jax.Array,
+    old_logprobs: jax.Array,
+    advantages: jax.Array,
+    weights: jax.Array,
+    mask: jax.Array,
+    config: LossConfig,
+    *,
+    inference_logprobs: jax.Array | None = None,
+    ref_logprobs: jax.Array | None = None,
+    entropy: jax.Array | None = None,
+):
     """(loss, sums): the weighted loss of one micro-batch and token-summed statistics for the metrics.
 
     All arrays are [batch, seq] and aligned (token t's logprob, advantage, weight). `sums` holds plain sums

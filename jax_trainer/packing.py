@@ -62,8 +62,7 @@ class PackedBatch:
     versions: list[int]  # one per packed sample, for the staleness histogram
     num_samples: int
 
-    ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask", "advantages", "inference_logprobs",
-              "completion_lens")
+    ARRAYS = ("tokens", "positions", "segment_ids", "loss_mask", "advantages", "inference_logprobs", "completion_lens")
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {k: getattr(self, k) for k in self.ARRAYS}
@@ -94,8 +93,14 @@ def _check(sample: Sample, i: int, seq_len: int, truncate: bool) -> Sample:
     return sample
 
 
-def pack(samples: Sequence[Sample], rows: int, seq_len: int, multiple_of: int = 1,
-         truncate: bool = False, micro_batches: int | None = None) -> PackedBatch:
+def pack(
+    samples: Sequence[Sample],
+    rows: int,
+    seq_len: int,
+    multiple_of: int = 1,
+    truncate: bool = False,
+    micro_batches: int | None = None,
+) -> PackedBatch:
     """Pack `samples` into [m, rows, seq_len] arrays, m a multiple of `multiple_of` (see the module docstring).
 
     `micro_batches` fixes m (padding with empty rows), so that every step has the same shapes and the train
@@ -119,8 +124,10 @@ def pack(samples: Sequence[Sample], rows: int, seq_len: int, multiple_of: int = 
     micro = math.ceil(len(placement) / rows)
     if micro_batches is not None:
         if micro > micro_batches:
-            raise PackingError(f"{len(samples)} samples need {micro} micro-batches of {rows} x {seq_len} tokens, "
-                               f"more than the {micro_batches} configured")
+            raise PackingError(
+                f"{len(samples)} samples need {micro} micro-batches of {rows} x {seq_len} tokens, "
+                f"more than the {micro_batches} configured"
+            )
         micro = micro_batches
     micro = math.ceil(micro / multiple_of) * multiple_of
     shape = (micro * rows, seq_len)
@@ -142,9 +149,9 @@ def pack(samples: Sequence[Sample], rows: int, seq_len: int, multiple_of: int = 
             out["tokens"][r, sl] = s.tokens
             out["positions"][r, sl] = np.arange(n)
             out["segment_ids"][r, sl] = seg
-            out["loss_mask"][r, pos + p: pos + n] = 1.0
-            out["advantages"][r, pos + p: pos + n] = s.advantage
-            out["inference_logprobs"][r, pos + p: pos + n] = s.logprobs[p:]
+            out["loss_mask"][r, pos + p : pos + n] = 1.0
+            out["advantages"][r, pos + p : pos + n] = s.advantage
+            out["inference_logprobs"][r, pos + p : pos + n] = s.logprobs[p:]
             out["completion_lens"][r, sl] = n - p
             pos += n
     arrays = {k: v.reshape(micro, rows, seq_len) for k, v in out.items()}

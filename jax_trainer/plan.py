@@ -44,17 +44,20 @@ class MemoryPlan:
 
     def lines(self, device_bytes: int | None = None) -> list[str]:
         mesh = " x ".join(f"{k} {v}" for k, v in self.mesh.items())
-        out = [f"memory plan per device ({self.devices} device{'s' if self.devices > 1 else ''}: {mesh})"
-               f"{' ' + self.note if self.note else ''}:",
-               f"  parameters        {_size(self.params)}",
-               f"  optimizer state   {_size(self.opt_state)}",
-               f"  batch             {_size(self.batch)}",
-               f"  step temporaries  {_size(self.temporaries)}  (gradients, activations, updates)",
-               f"  peak              {_size(self.peak)}"]
+        out = [
+            f"memory plan per device ({self.devices} device{'s' if self.devices > 1 else ''}: {mesh})"
+            f"{' ' + self.note if self.note else ''}:",
+            f"  parameters        {_size(self.params)}",
+            f"  optimizer state   {_size(self.opt_state)}",
+            f"  batch             {_size(self.batch)}",
+            f"  step temporaries  {_size(self.temporaries)}  (gradients, activations, updates)",
+            f"  peak              {_size(self.peak)}",
+        ]
         if device_bytes:
             verdict = "fits" if self.fits(device_bytes) else "DOES NOT FIT"
-            out.append(f"  {verdict} in {_size(device_bytes).strip()} per device "
-                       f"({100 * self.peak / device_bytes:.0f}% used)")
+            out.append(
+                f"  {verdict} in {_size(device_bytes).strip()} per device ({100 * self.peak / device_bytes:.0f}% used)"
+            )
         return out
 
 
@@ -89,22 +92,35 @@ def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
     arguments = analysis.argument_size_in_bytes
     outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
     temporaries = analysis.temp_size_in_bytes
-    return MemoryPlan(devices=mesh.size, mesh=dict(mesh.shape), params=_shard_bytes(state.params),
-                      opt_state=_shard_bytes(state.opt_state), batch=_shard_bytes(batch), temporaries=temporaries,
-                      outputs_not_aliased=outputs, peak=arguments + temporaries + outputs)
+    return MemoryPlan(
+        devices=mesh.size,
+        mesh=dict(mesh.shape),
+        params=_shard_bytes(state.params),
+        opt_state=_shard_bytes(state.opt_state),
+        batch=_shard_bytes(batch),
+        temporaries=temporaries,
+        outputs_not_aliased=outputs,
+        peak=arguments + temporaries + outputs,
+    )
 
 
-def extrapolate_layers(shallow: MemoryPlan, deeper: MemoryPlan, layers: int, shallow_layers: int,
-                       deeper_layers: int) -> MemoryPlan:
+def extrapolate_layers(
+    shallow: MemoryPlan, deeper: MemoryPlan, layers: int, shallow_layers: int, deeper_layers: int
+) -> MemoryPlan:
     """Each figure of a `layers`-deep model, linear in depth through two plans of shallower copies."""
+
     def at(a: int, b: int) -> int:
         per_layer = (b - a) / (deeper_layers - shallow_layers)
         return int(round(a + per_layer * (layers - shallow_layers)))
 
     return MemoryPlan(
-        devices=shallow.devices, mesh=shallow.mesh, params=at(shallow.params, deeper.params),
-        opt_state=at(shallow.opt_state, deeper.opt_state), batch=shallow.batch,
+        devices=shallow.devices,
+        mesh=shallow.mesh,
+        params=at(shallow.params, deeper.params),
+        opt_state=at(shallow.opt_state, deeper.opt_state),
+        batch=shallow.batch,
         temporaries=at(shallow.temporaries, deeper.temporaries),
         outputs_not_aliased=at(shallow.outputs_not_aliased, deeper.outputs_not_aliased),
         peak=at(shallow.peak, deeper.peak),
-        note=f"[{layers} layers, extrapolated from compiled {shallow_layers}- and {deeper_layers}-layer copies]")
+        note=f"[{layers} layers, extrapolated from compiled {shallow_layers}- and {deeper_layers}-layer copies]",
+    )

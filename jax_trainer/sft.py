@@ -36,19 +36,29 @@ from jax_trainer.packing import PackedBatch, Sample, pack
 from jax_trainer.train_step import GRPOTrainer, TrainState
 
 
-def sft_samples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], names: Sequence[str] | None = None
-                ) -> list[Sample]:
+def sft_samples(
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]], names: Sequence[str] | None = None
+) -> list[Sample]:
     """(prompt ids, completion ids) pairs -> packing samples (no logprobs, no advantage)."""
     out = []
     for i, (prompt, completion) in enumerate(examples):
         tokens = np.asarray(list(prompt) + list(completion), np.int32)
-        out.append(Sample(tokens=tokens, prompt_len=len(prompt), logprobs=np.zeros(len(tokens), np.float32),
-                          advantage=0.0, version=0, name=names[i] if names else f"example {i}"))
+        out.append(
+            Sample(
+                tokens=tokens,
+                prompt_len=len(prompt),
+                logprobs=np.zeros(len(tokens), np.float32),
+                advantage=0.0,
+                version=0,
+                name=names[i] if names else f"example {i}",
+            )
+        )
     return out
 
 
-def pack_examples(examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: int, seq_len: int,
-                  micro_batches: int | None = None) -> PackedBatch:
+def pack_examples(
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: int, seq_len: int, micro_batches: int | None = None
+) -> PackedBatch:
     """Pack examples into [micro_batches, rows, seq_len]; a fixed `micro_batches` keeps one compiled shape."""
     return pack(sft_samples(examples), rows, seq_len, micro_batches=micro_batches)
 
@@ -90,8 +100,9 @@ class SFTTrainer(GRPOTrainer):
         hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
         targets, mask = mb["tokens"][:, 1:], mb["loss_mask"][:, 1:]
         lp, _ = token_logprobs(hidden, model.head(), targets, 1.0, self.config.logprob_chunk)
-        hits = _argmax_hits(jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(model.head()), targets,
-                            self.config.logprob_chunk)
+        hits = _argmax_hits(
+            jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(model.head()), targets, self.config.logprob_chunk
+        )
         return -jnp.sum(mask * lp), jnp.sum(mask * hits), jnp.sum(mask)
 
     def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):
@@ -118,15 +129,22 @@ class SFTTrainer(GRPOTrainer):
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_params, state.params)
         opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_opt, state.opt_state)
-        metrics = {"loss": loss, "accuracy": hits / total, "tokens": total, "grad_norm": grad_norm,
-                   "skipped": (~ok).astype(jnp.int32)}
-        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                               skipped=state.skipped + (~ok).astype(jnp.int32))
+        metrics = {
+            "loss": loss,
+            "accuracy": hits / total,
+            "tokens": total,
+            "grad_norm": grad_norm,
+            "skipped": (~ok).astype(jnp.int32),
+        }
+        new_state = TrainState(
+            params=params, opt_state=opt_state, step=state.step + 1, skipped=state.skipped + (~ok).astype(jnp.int32)
+        )
         return new_state, metrics
 
     def evaluate(self, params, batch: dict[str, jax.Array]) -> dict[str, float]:
         """Loss and token accuracy of a batch under `params`, without updating anything."""
         if self._eval is None:
+
             def fn(params, batch):
                 sums = jax.lax.map(lambda mb: self._micro_sums(params, mb), batch)
                 nll, hits, tokens = (jnp.sum(x) for x in sums)
@@ -137,9 +155,16 @@ class SFTTrainer(GRPOTrainer):
         return {k: float(v) for k, v in self._eval(params, batch).items()}
 
 
-def sft_loop(trainer: SFTTrainer, state: TrainState, batches: Iterator[PackedBatch], steps: int, *,
-             metrics_path: str | Path | None = None, progress: bool = True,
-             on_step: Callable[[int, dict], None] | None = None) -> TrainState:
+def sft_loop(
+    trainer: SFTTrainer,
+    state: TrainState,
+    batches: Iterator[PackedBatch],
+    steps: int,
+    *,
+    metrics_path: str | Path | None = None,
+    progress: bool = True,
+    on_step: Callable[[int, dict], None] | None = None,
+) -> TrainState:
     """Run `steps` SFT steps on `batches`; one `"role": "sft"` JSON line per step goes to `metrics_path`."""
     bar = _Progress(progress, steps)
     with bar:
@@ -150,8 +175,14 @@ def sft_loop(trainer: SFTTrainer, state: TrainState, batches: Iterator[PackedBat
             record = {k: float(v) for k, v in metrics.items()}
             elapsed = time.perf_counter() - t0
             step = int(np.asarray(state.step.addressable_data(0)))
-            record = {"role": "sft", "step": step, "time": time.time(), **record, "step_s": elapsed,
-                      "tokens_per_s": float(np.sum(packed.segment_ids > 0)) / max(elapsed, 1e-9)}
+            record = {
+                "role": "sft",
+                "step": step,
+                "time": time.time(),
+                **record,
+                "step_s": elapsed,
+                "tokens_per_s": float(np.sum(packed.segment_ids > 0)) / max(elapsed, 1e-9),
+            }
             if metrics_path is not None and jax.process_index() == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
@@ -171,16 +202,24 @@ class _Progress:
         if self.enabled:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("sft"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TextColumn("{task.description}"), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn("sft"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+            )
             self.bar.__enter__()
             self.task = self.bar.add_task("", total=self.total)
         return self
 
     def update(self, step: int, r: dict) -> None:
         if self.enabled:
-            self.bar.update(self.task, completed=step, description=(
-                f"loss {r['loss']:.4f} acc {r['accuracy']:.3f} {r['tokens_per_s']:.0f} tok/s"))
+            self.bar.update(
+                self.task,
+                completed=step,
+                description=(f"loss {r['loss']:.4f} acc {r['accuracy']:.3f} {r['tokens_per_s']:.0f} tok/s"),
+            )
 
     def __exit__(self, *exc):
         if self.enabled:

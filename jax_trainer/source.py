@@ -51,14 +51,30 @@ class Rollout:
     name: str = ""
 
 
-def build_step_batch(rollouts: Sequence[Rollout], step: int, *, rows: int, seq_len: int, multiple_of: int = 1,
-                     advantage_mode: str = "std", drop_zero_groups: bool = True,
-                     truncate: bool = False, micro_batches: int | None = None) -> StepBatch | None:
+def build_step_batch(
+    rollouts: Sequence[Rollout],
+    step: int,
+    *,
+    rows: int,
+    seq_len: int,
+    multiple_of: int = 1,
+    advantage_mode: str = "std",
+    drop_zero_groups: bool = True,
+    truncate: bool = False,
+    micro_batches: int | None = None,
+) -> StepBatch | None:
     """Advantages per group, online filtering, packing; None when every group was filtered out."""
-    adv = group_advantages(np.array([r.reward for r in rollouts]), np.array([r.group for r in rollouts]),
-                           advantage_mode, drop_zero_groups=drop_zero_groups)
-    samples = [Sample(r.tokens, r.prompt_len, r.logprobs, float(a), r.version, r.reward, r.name)
-               for r, a, k in zip(rollouts, adv.values, adv.keep) if k]
+    adv = group_advantages(
+        np.array([r.reward for r in rollouts]),
+        np.array([r.group for r in rollouts]),
+        advantage_mode,
+        drop_zero_groups=drop_zero_groups,
+    )
+    samples = [
+        Sample(r.tokens, r.prompt_len, r.logprobs, float(a), r.version, r.reward, r.name)
+        for r, a, k in zip(rollouts, adv.values, adv.keep)
+        if k
+    ]
     stats = {
         "samples": float(len(rollouts)),
         "samples_trained": float(len(samples)),
@@ -76,8 +92,17 @@ def build_step_batch(rollouts: Sequence[Rollout], step: int, *, rows: int, seq_l
 class InMemorySource:
     """Batches from a callable `make(step) -> list[Rollout]` (synthetic tasks, tests); the cursor is the step."""
 
-    def __init__(self, make: Callable[[int], Sequence[Rollout]], *, rows: int, seq_len: int, multiple_of: int = 1,
-                 advantage_mode: str = "std", async_level: int = 2, max_tries: int = 100):
+    def __init__(
+        self,
+        make: Callable[[int], Sequence[Rollout]],
+        *,
+        rows: int,
+        seq_len: int,
+        multiple_of: int = 1,
+        advantage_mode: str = "std",
+        async_level: int = 2,
+        max_tries: int = 100,
+    ):
         self.make = make
         self.rows, self.seq_len, self.multiple_of = rows, seq_len, multiple_of
         self.advantage_mode = advantage_mode
@@ -89,8 +114,14 @@ class InMemorySource:
         for _ in range(self.max_tries):
             rollouts = [r for r in self.make(self.position) if step - r.version <= self.async_level]
             self.position += 1
-            batch = build_step_batch(rollouts, step, rows=self.rows, seq_len=self.seq_len,
-                                     multiple_of=self.multiple_of, advantage_mode=self.advantage_mode)
+            batch = build_step_batch(
+                rollouts,
+                step,
+                rows=self.rows,
+                seq_len=self.seq_len,
+                multiple_of=self.multiple_of,
+                advantage_mode=self.advantage_mode,
+            )
             if batch is not None:
                 return batch
         raise TimeoutError(f"in-memory source: {self.max_tries} draws in a row had no usable group")

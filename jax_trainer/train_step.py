@@ -59,8 +59,15 @@ def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 class GRPOTrainer:
     """Builds the optimizer, the (abstract) initial state and the jitted step for one model and mesh."""
 
-    def __init__(self, model: nnx.Module, mesh: Mesh, loss: LossConfig, optim: OptimConfig,
-                 trainer: TrainerConfig | None = None, reference: nnx.Module | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        mesh: Mesh,
+        loss: LossConfig,
+        optim: OptimConfig,
+        trainer: TrainerConfig | None = None,
+        reference: nnx.Module | None = None,
+    ):
         """`model` may be abstract (`nnx.eval_shape`) when the state will come from a checkpoint. Of `trainer`
         (default: its defaults) the step reads `steps_per_batch`, `logprob_chunk` and `steps` (the length of
         the learning-rate schedule)."""
@@ -88,11 +95,15 @@ class GRPOTrainer:
 
     def abstract_state(self) -> TrainState:
         """Shapes, dtypes and shardings of the state, without memory: the template a checkpoint restores into."""
-        abstract_params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                       self._abstract_params, self.param_shardings)
+        abstract_params = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            self._abstract_params,
+            self.param_shardings,
+        )
         opt = jax.eval_shape(self.tx.init, abstract_params)
-        opt = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt,
-                           self.opt_state_shardings())
+        opt = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), opt, self.opt_state_shardings()
+        )
         scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
         return TrainState(params=abstract_params, opt_state=opt, step=scalar, skipped=scalar)
 
@@ -103,8 +114,9 @@ class GRPOTrainer:
     def opt_state_shardings(self):
         replicated = NamedSharding(self.mesh, PartitionSpec())
         abstract = jax.eval_shape(self.tx.init, self._abstract_params)
-        return optax.tree_map_params(self.tx, lambda _, s: s, abstract, self.param_shardings,
-                                     transform_non_params=lambda _: replicated)
+        return optax.tree_map_params(
+            self.tx, lambda _, s: s, abstract, self.param_shardings, transform_non_params=lambda _: replicated
+        )
 
     def state_shardings(self, state: TrainState):
         return jax.tree.map(lambda x: x.sharding, state)
@@ -124,8 +136,9 @@ class GRPOTrainer:
     def _logprobs(self, params, mb: dict[str, jax.Array]):
         model = nnx.merge(self.graphdef, params)
         hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
-        return token_logprobs(hidden, model.head(), mb["tokens"][:, 1:], self.loss.temperature,
-                              self.config.logprob_chunk)
+        return token_logprobs(
+            hidden, model.head(), mb["tokens"][:, 1:], self.loss.temperature, self.config.logprob_chunk
+        )
 
     def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):
         loss_cfg, k = self.loss, self.config.steps_per_batch
@@ -149,8 +162,17 @@ class GRPOTrainer:
         def micro_loss(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples):
             lp, ent = self._logprobs(params, mb)
             w = token_weights(sh["mask"], sh["completion_lens"], loss_cfg, total_tokens, total_samples)
-            return policy_loss(lp, old_lp, sh["advantages"], w, sh["mask"], loss_cfg,
-                               inference_logprobs=sh["inference_logprobs"], ref_logprobs=ref_lp, entropy=ent)
+            return policy_loss(
+                lp,
+                old_lp,
+                sh["advantages"],
+                w,
+                sh["mask"],
+                loss_cfg,
+                inference_logprobs=sh["inference_logprobs"],
+                ref_logprobs=ref_lp,
+                entropy=ent,
+            )
 
         grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -163,14 +185,24 @@ class GRPOTrainer:
                 mb, sh, old_lp, ref_lp = xs
                 (loss, sums), grads = grad_fn(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples)
                 acc_loss, acc_sums, acc_grads = acc
-                merged = {key: (jnp.maximum if key == "ratio_max" else jnp.add)(acc_sums[key], v)
-                          for key, v in sums.items()}
+                merged = {
+                    key: (jnp.maximum if key == "ratio_max" else jnp.add)(acc_sums[key], v) for key, v in sums.items()
+                }
                 return (acc_loss + loss, merged, jax.tree.map(jnp.add, acc_grads, grads)), None
 
-            zero_sums = jax.eval_shape(lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], (
-                g["batch"], g["shifted"], g["old"], g["ref"])), total_tokens, total_samples)[0][1])
-            init = (jnp.zeros((), jnp.float32), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_sums),
-                    jax.tree.map(jnp.zeros_like, params))
+            zero_sums = jax.eval_shape(
+                lambda: grad_fn(
+                    params,
+                    *jax.tree.map(lambda x: x[0], (g["batch"], g["shifted"], g["old"], g["ref"])),
+                    total_tokens,
+                    total_samples,
+                )[0][1]
+            )
+            init = (
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_sums),
+                jax.tree.map(jnp.zeros_like, params),
+            )
             (loss, sums, grads), _ = jax.lax.scan(accumulate, init, (g["batch"], g["shifted"], g["old"], g["ref"]))
 
             grad_norm = optax.global_norm(grads)
@@ -181,12 +213,18 @@ class GRPOTrainer:
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             params = jax.tree.map(lambda new, old_: jnp.where(ok, new, old_), new_params, params)
             opt_state = jax.tree.map(lambda new, old_: jnp.where(ok, new, old_), new_opt, opt_state)
-            metrics = {"loss": loss, "grad_norm": grad_norm, "grad_norm_clipped": grad_norm * scale,
-                       "skipped": (~ok).astype(jnp.int32), **sums}
+            metrics = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "grad_norm_clipped": grad_norm * scale,
+                "skipped": (~ok).astype(jnp.int32),
+                **sums,
+            }
             return (params, opt_state, skipped + (~ok).astype(jnp.int32)), metrics
 
         (params, opt_state, skipped), per_step = jax.lax.scan(
-            optimizer_step, (state.params, state.opt_state, state.skipped), groups)
+            optimizer_step, (state.params, state.opt_state, state.skipped), groups
+        )
         metrics = _summarise(per_step)
         new_state = TrainState(params=params, opt_state=opt_state, step=state.step + k, skipped=skipped)
         return new_state, metrics
@@ -196,14 +234,24 @@ class GRPOTrainer:
         shardings = self.state_shardings(state)
         batch_sh = {key: v.sharding for key, v in batch.items()}
         ref_sh = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
-        return jax.jit(self._step_fn, in_shardings=(shardings, batch_sh, ref_sh), out_shardings=(shardings, None),
-                       donate_argnums=(0,))
+        return jax.jit(
+            self._step_fn,
+            in_shardings=(shardings, batch_sh, ref_sh),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
 
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes, dtypes and shardings of a packed batch (`jax_trainer.packing`), without memory."""
         shape = (micro_batches, rows, seq_len)
-        return {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in ("tokens", "positions", "segment_ids")
-                                        else jnp.float32, sharding=self.batch_sharding(shape)) for k in BATCH_KEYS}
+        return {
+            k: jax.ShapeDtypeStruct(
+                shape,
+                jnp.int32 if k in ("tokens", "positions", "segment_ids") else jnp.float32,
+                sharding=self.batch_sharding(shape),
+            )
+            for k in BATCH_KEYS
+        }
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """One step; the first of each batch shape compiles it ahead of time and logs its memory plan."""

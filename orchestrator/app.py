@@ -22,23 +22,44 @@ import time
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from fastapi import Body, Depends, FastAPI, Path as PathParam, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from bridge.protocol.challenge import solve_challenge
-from bridge.protocol.messages import (BATCH_ID_PATTERN, MAX_INT, PROTOCOL_VERSION, BanRequest, BatchList, BatchStatus,
-                                      Health, Ledger, NodeInfo, NodeList, PolicyAnnouncement, PolicyInfo,
-                                      PublicBatchList, RegisterRequest, RegisterResponse)
+from bridge.protocol.messages import (
+    BATCH_ID_PATTERN,
+    MAX_INT,
+    PROTOCOL_VERSION,
+    BanRequest,
+    BatchList,
+    BatchStatus,
+    Health,
+    Ledger,
+    NodeInfo,
+    NodeList,
+    PolicyAnnouncement,
+    PolicyInfo,
+    PublicBatchList,
+    RegisterRequest,
+    RegisterResponse,
+)
 from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from orchestrator import dashboard
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import SCHEMA_VERSION
 from orchestrator.fast_lane import NODE_ROUTES, NodeRoute, fast_lane, read_body, replaying
-from orchestrator.guards import (BodyError, address_group, decode_json, is_json_content_type, json_error,
-                                 validation_errors)
+from orchestrator.guards import (
+    BodyError,
+    address_group,
+    decode_json,
+    is_json_content_type,
+    json_error,
+    validation_errors,
+)
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.nodes import LiveNode
 from orchestrator.service import NodeRoutes, Orchestrator, RunValues
@@ -54,12 +75,19 @@ def _limit_body(app: Callable, max_bytes: int) -> Callable:
     """ASGI middleware: a request body over `max_bytes` is answered 413, and a POST body with a JSON Content-Type
     that is not strict JSON (guards.decode_json) 422, before any handler sees it."""
 
-    async def refuse(send, status: int = 413,
-                     detail: str | list = f"request body over the limit of {max_bytes} bytes "
-                                          "(orchestrator.max_body_bytes)") -> None:
+    async def refuse(
+        send,
+        status: int = 413,
+        detail: str | list = f"request body over the limit of {max_bytes} bytes (orchestrator.max_body_bytes)",
+    ) -> None:
         body = json.dumps({"detail": detail}, separators=(",", ":")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def guarded(scope, receive, send):
@@ -75,8 +103,11 @@ def _limit_body(app: Callable, max_bytes: int) -> Callable:
             return None
         if len(body) > max_bytes:
             return await refuse(send)
-        if body and scope["method"] == "POST" and is_json_content_type(
-                dict(reversed(scope["headers"])).get(b"content-type")):
+        if (
+            body
+            and scope["method"] == "POST"
+            and is_json_content_type(dict(reversed(scope["headers"])).get(b"content-type"))
+        ):
             try:
                 decode_json(body)
             except BodyError as exc:
@@ -86,16 +117,20 @@ def _limit_body(app: Callable, max_bytes: int) -> Callable:
     return guarded
 
 
-_ERRORS = {401: {"description": "signature missing, malformed, stale, replayed or wrong"},
-           403: {"description": "unknown, banned, not admitted, or wrong role"},
-           413: {"description": "body over orchestrator.max_body_bytes"},
-           422: {"description": "a field failed validation; `detail` names it"}}
+_ERRORS = {
+    401: {"description": "signature missing, malformed, stale, replayed or wrong"},
+    403: {"description": "unknown, banned, not admitted, or wrong role"},
+    413: {"description": "body over orchestrator.max_body_bytes"},
+    422: {"description": "a field failed validation; `detail` names it"},
+}
 
 # Security schemes of the OpenAPI document; the checks themselves are in auth.py.
-_SIGNED = {"NodeKey": "hex ed25519 public key of the node",
-           "Timestamp": "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
-           "Nonce": "16-64 random lowercase hex characters, used once",
-           "Signature": "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"}
+_SIGNED = {
+    "NodeKey": "hex ed25519 public key of the node",
+    "Timestamp": "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
+    "Nonce": "16-64 random lowercase hex characters, used once",
+    "Signature": "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
+}
 _HEADERS = dict(zip(_SIGNED, (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)))
 _SIGNED_ROUTE = {"security": [{name: [] for name in _SIGNED}]}
 _ADMIN_ROUTE = {"security": [{"AdminToken": []}]}
@@ -131,9 +166,13 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
                 await svc.wal.close()
             svc.close()
 
-    app = _Service(title="intellect orchestrator", version=str(PROTOCOL_VERSION), lifespan=lifespan,
-                  description="Admission, heartbeats, deterministic work, verdicts and the contribution ledger of a "
-                              "decentralized RL run (docs/design.md section 8). Node routes are signed with ed25519.")
+    app = _Service(
+        title="intellect orchestrator",
+        version=str(PROTOCOL_VERSION),
+        lifespan=lifespan,
+        description="Admission, heartbeats, deterministic work, verdicts and the contribution ledger of a "
+        "decentralized RL run (docs/design.md section 8). Node routes are signed with ed25519.",
+    )
     app.state.orchestrator = svc
 
     @app.exception_handler(RequestValidationError)
@@ -143,8 +182,14 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
 
     async def signed(request: Request) -> str:
         h = request.headers
-        return svc.auth.verify(request.scope, await request.body(), h.get(HEADER_KEY), h.get(HEADER_TIMESTAMP),
-                               h.get(HEADER_NONCE), h.get(HEADER_SIGNATURE))
+        return svc.auth.verify(
+            request.scope,
+            await request.body(),
+            h.get(HEADER_KEY),
+            h.get(HEADER_TIMESTAMP),
+            h.get(HEADER_NONCE),
+            h.get(HEADER_SIGNATURE),
+        )
 
     async def new_node(request: Request) -> str:
         key = await signed(request)
@@ -166,8 +211,9 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
 
     @app.get("/healthz", response_model=Health, tags=["public"])
     async def healthz() -> Health:
-        return Health(status="ok", protocol=PROTOCOL_VERSION, schema_version=SCHEMA_VERSION,
-                      uptime_s=svc.clock() - svc.started)
+        return Health(
+            status="ok", protocol=PROTOCOL_VERSION, schema_version=SCHEMA_VERSION, uptime_s=svc.clock() - svc.started
+        )
 
     @app.get("/v1/policy", response_model=PolicyInfo, tags=["public"])
     async def get_policy() -> PolicyInfo:
@@ -177,9 +223,14 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         client = request.scope.get("client")
         svc.register_limiter.take(address_group(client[0]) if client else "")
 
-    @app.post("/v1/nodes/register", response_model=RegisterResponse, dependencies=[Depends(registration_rate)],
-              responses={**_ERRORS, 429: {"description": "too many registrations from this address"}},
-              tags=["nodes"], openapi_extra=_SIGNED_ROUTE)
+    @app.post(
+        "/v1/nodes/register",
+        response_model=RegisterResponse,
+        dependencies=[Depends(registration_rate)],
+        responses={**_ERRORS, 429: {"description": "too many registrations from this address"}},
+        tags=["nodes"],
+        openapi_extra=_SIGNED_ROUTE,
+    )
     async def register(body: RegisterRequest, key: Annotated[str, Depends(new_node)]) -> Response:
         """Admission. Limited per client address (orchestrator.register_rate_per_min, checked before the
         signature); an answered challenge is checked in a thread."""
@@ -187,65 +238,107 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         seed = svc.registry.pending_challenge(key) if body.challenge_answer is not None else None
         if seed is not None:
             solved = (seed, await asyncio.to_thread(solve_challenge, seed, svc.requirements.challenge_size))
-        status, reasons, challenge = svc.registry.register(key, body.role, body.hardware, body.challenge_answer,
-                                                           solved)
+        status, reasons, challenge = svc.registry.register(key, body.role, body.hardware, body.challenge_answer, solved)
         if status == "refused":
             log.info("registration of %s... refused: %s", key[:16], "; ".join(reasons))
-        return _reply(RegisterResponse(status=status, node_key=key, reasons=reasons, requirements=svc.requirements,
-                                       challenge=challenge, policy=svc.scheduler.policy))
+        return _reply(
+            RegisterResponse(
+                status=status,
+                node_key=key,
+                reasons=reasons,
+                requirements=svc.requirements,
+                challenge=challenge,
+                policy=svc.scheduler.policy,
+            )
+        )
 
     for spec in NODE_ROUTES:  # also served by the fast lane (fast_lane.py), from the same table
         _declare(app, spec, getattr(node_routes, spec.answer), role(spec.role))
 
-    @app.post("/v1/nodes/deregister", response_model=NodeInfo, responses=_ERRORS, tags=["nodes"],
-              openapi_extra=_SIGNED_ROUTE)
+    @app.post(
+        "/v1/nodes/deregister", response_model=NodeInfo, responses=_ERRORS, tags=["nodes"], openapi_extra=_SIGNED_ROUTE
+    )
     async def deregister(node: Annotated[tuple, Depends(role(None))]) -> Response:
         """A node signs off: it is marked dead now and its open assignments are handed out again."""
         svc.registry.leave(node[0])
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node[0]])[0])
 
-    @app.get("/v1/batches", response_model=BatchList | PublicBatchList, responses=_ERRORS, tags=["work"],
-             openapi_extra=_LEARNER_OPTIONAL)
-    async def list_batches(learner: Annotated[bool, Depends(maybe_learner)], status: BatchStatus = "accepted",
-                           min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
-                           after: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
-                           limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
+    @app.get(
+        "/v1/batches",
+        response_model=BatchList | PublicBatchList,
+        responses=_ERRORS,
+        tags=["work"],
+        openapi_extra=_LEARNER_OPTIONAL,
+    )
+    async def list_batches(
+        learner: Annotated[bool, Depends(maybe_learner)],
+        status: BatchStatus = "accepted",
+        min_version: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
+        after: Annotated[int | None, Query(ge=0, le=MAX_INT)] = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> Response:
         """Batches by status. With the admin token (the learner) every field (BatchList), and accepted batches
         count as delivered; without it only the public fields (PublicBatchList: no store path, digest,
         validator, rewards or reasons)."""
         records, cursor = svc.scheduler.batches(status, min_version, after, limit, learner)
-        return _json(json.dumps({"batches": records, "next_after": cursor}, separators=(",", ":"),
-                                allow_nan=False).encode())
+        return _json(
+            json.dumps({"batches": records, "next_after": cursor}, separators=(",", ":"), allow_nan=False).encode()
+        )
 
-    @app.post("/v1/policy", response_model=PolicyInfo, responses={**_ERRORS, 409: {"description": "older version"}},
-              dependencies=[Depends(admin)], tags=["admin"], openapi_extra=_ADMIN_ROUTE)
+    @app.post(
+        "/v1/policy",
+        response_model=PolicyInfo,
+        responses={**_ERRORS, 409: {"description": "older version"}},
+        dependencies=[Depends(admin)],
+        tags=["admin"],
+        openapi_extra=_ADMIN_ROUTE,
+    )
     async def announce_policy(body: PolicyAnnouncement) -> Response:
         return _reply(svc.scheduler.announce_policy(body))
 
-    @app.get("/v1/nodes", response_model=NodeList, responses=_ERRORS, dependencies=[Depends(admin)], tags=["admin"],
-             openapi_extra=_ADMIN_ROUTE)
-    async def list_nodes(after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
-                         limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> Response:
+    @app.get(
+        "/v1/nodes",
+        response_model=NodeList,
+        responses=_ERRORS,
+        dependencies=[Depends(admin)],
+        tags=["admin"],
+        openapi_extra=_ADMIN_ROUTE,
+    )
+    async def list_nodes(
+        after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> Response:
         """A page of nodes in key order; `next_after` names the next page's `after`."""
         with svc.db() as s:
             nodes = svc.registry.info(s, after=after, limit=limit)
         return _reply(NodeList(nodes=nodes, next_after=nodes[-1].key if len(nodes) == limit else None))
 
-    @app.post("/v1/nodes/{node_key}/ban", response_model=NodeInfo,
-              responses={**_ERRORS, 404: {"description": "unknown node"}}, dependencies=[Depends(admin)],
-              tags=["admin"], openapi_extra=_ADMIN_ROUTE)
+    @app.post(
+        "/v1/nodes/{node_key}/ban",
+        response_model=NodeInfo,
+        responses={**_ERRORS, 404: {"description": "unknown node"}},
+        dependencies=[Depends(admin)],
+        tags=["admin"],
+        openapi_extra=_ADMIN_ROUTE,
+    )
     async def ban(node_key: Annotated[str, PathParam(pattern=r"^[0-9a-f]{64}$")], body: BanRequest) -> Response:
         svc.registry.ban(node_key, body.reason)
         log.warning("node %s... banned by an operator: %s", node_key[:16], body.reason)
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node_key])[0])
 
-    @app.get("/v1/ledger", response_model=Ledger, tags=["public"],
-             responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}})
-    async def ledger(format: Literal["json", "csv"] = "json",
-                     after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
-                     limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> Response:
+    @app.get(
+        "/v1/ledger",
+        response_model=Ledger,
+        tags=["public"],
+        responses={200: {"content": {"text/csv": {"schema": {"type": "string"}}}}},
+    )
+    async def ledger(
+        format: Literal["json", "csv"] = "json",
+        after: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+    ) -> Response:
         """A page of the ledger in node-key order (`next_after`, or the X-Next-After header of the CSV, names
         the next page's `after`). Answers are reused for orchestrator.public_cache_s."""
 
@@ -291,11 +384,19 @@ def _declare(app: FastAPI, spec: NodeRoute, answer: Callable[..., bytes], node: 
     """The FastAPI route of a NODE_ROUTES entry: its body model, the signed-node dependency `node` and a
     BATCH_ID_PATTERN check of each path parameter, answered by the NodeRoutes method `answer`."""
     keyword = inspect.Parameter.KEYWORD_ONLY
-    params = [inspect.Parameter("node", keyword, annotation=Annotated[tuple, Depends(node)]),
-              inspect.Parameter("body", keyword, annotation=Annotated[spec.model, Body()],
-                                default=inspect.Parameter.empty if spec.empty_body is None else spec.empty_body)]
-    params += [inspect.Parameter(name, keyword, annotation=Annotated[str, PathParam(pattern=BATCH_ID_PATTERN)])
-               for name in re.findall(r"{(\w+)}", spec.path)]
+    params = [
+        inspect.Parameter("node", keyword, annotation=Annotated[tuple, Depends(node)]),
+        inspect.Parameter(
+            "body",
+            keyword,
+            annotation=Annotated[spec.model, Body()],
+            default=inspect.Parameter.empty if spec.empty_body is None else spec.empty_body,
+        ),
+    ]
+    params += [
+        inspect.Parameter(name, keyword, annotation=Annotated[str, PathParam(pattern=BATCH_ID_PATTERN)])
+        for name in re.findall(r"{(\w+)}", spec.path)
+    ]
 
     async def endpoint(**values) -> Response:
         key, live = values.pop("node")
@@ -304,17 +405,26 @@ def _declare(app: FastAPI, spec: NodeRoute, answer: Callable[..., bytes], node: 
 
     endpoint.__signature__ = inspect.Signature(params)
     endpoint.__name__ = spec.answer
-    app.add_api_route(spec.path, endpoint, methods=["POST"], response_model=spec.reply, description=spec.description,
-                      responses={**_ERRORS, **{code: {"description": text} for code, text in spec.responses}},
-                      tags=["nodes" if spec.role is None else "work"], openapi_extra=_SIGNED_ROUTE)
+    app.add_api_route(
+        spec.path,
+        endpoint,
+        methods=["POST"],
+        response_model=spec.reply,
+        description=spec.description,
+        responses={**_ERRORS, **{code: {"description": text} for code, text in spec.responses}},
+        tags=["nodes" if spec.role is None else "work"],
+        openapi_extra=_SIGNED_ROUTE,
+    )
 
 
 def _openapi(app: FastAPI) -> dict:
     """The generated document plus the security schemes the routes name (signature headers, admin token)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        schemes = {name: {"type": "apiKey", "in": "header", "name": _HEADERS[name], "description": text}
-                   for name, text in _SIGNED.items()}
+        schemes = {
+            name: {"type": "apiKey", "in": "header", "name": _HEADERS[name], "description": text}
+            for name, text in _SIGNED.items()
+        }
         schemes["AdminToken"] = {"type": "http", "scheme": "bearer", "description": "orchestrator.admin_token"}
         schema.setdefault("components", {})["securitySchemes"] = schemes
         app.openapi_schema = schema

@@ -27,8 +27,14 @@ from fastapi import HTTPException, Request
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.protocol.signing import (HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP, verify_signature,
-                                     weak_public_key)
+from bridge.protocol.signing import (
+    HEADER_KEY,
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    verify_signature,
+    weak_public_key,
+)
 from orchestrator.db import SeenNonce, ServiceRun
 
 _KEY = re.compile(r"[0-9a-f]{64}")
@@ -80,8 +86,9 @@ def start_run(db: sessionmaker[Session], nonces: NonceCache, now: float, max_ske
         last = s.scalars(select(ServiceRun).order_by(ServiceRun.id.desc()).limit(1)).first()
         refuse_up_to = now + max_skew_s if last is not None and last.stopped_at is None else 0.0
         if not refuse_up_to:
-            for nonce, expires in s.execute(select(SeenNonce.nonce, SeenNonce.expires)
-                                            .where(SeenNonce.expires > now).order_by(SeenNonce.expires)):
+            for nonce, expires in s.execute(
+                select(SeenNonce.nonce, SeenNonce.expires).where(SeenNonce.expires > now).order_by(SeenNonce.expires)
+            ):
                 nonces.add(nonce, expires)
         s.execute(delete(SeenNonce))
         run = ServiceRun(started_at=now)
@@ -108,8 +115,9 @@ class Authenticator:
         self.nonces = NonceCache()
         self.refuse_up_to = 0.0  # set by start_run after an unclean stop: older stamps may be replays
 
-    def verify(self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None,
-               signature: str | None) -> str:
+    def verify(
+        self, scope: dict, body: bytes, key: str | None, stamp: str | None, nonce: str | None, signature: str | None
+    ) -> str:
         """The hex key of the node that signed the request with ASGI `scope` and `body` (the four header values
         given); 401 otherwise.
 
@@ -120,10 +128,12 @@ class Authenticator:
         missing = [name for name, value in values.items() if not value]
         if missing:
             raise unauthorized(f"missing signature header(s): {', '.join(missing)}")
-        for name, value, pattern, what in ((HEADER_KEY, key, _KEY, "64 lowercase hex characters"),
-                                           (HEADER_TIMESTAMP, stamp, _TIMESTAMP, "unix milliseconds"),
-                                           (HEADER_NONCE, nonce, _NONCE, "16 to 64 lowercase hex characters"),
-                                           (HEADER_SIGNATURE, signature, _SIGNATURE, "128 lowercase hex characters")):
+        for name, value, pattern, what in (
+            (HEADER_KEY, key, _KEY, "64 lowercase hex characters"),
+            (HEADER_TIMESTAMP, stamp, _TIMESTAMP, "unix milliseconds"),
+            (HEADER_NONCE, nonce, _NONCE, "16 to 64 lowercase hex characters"),
+            (HEADER_SIGNATURE, signature, _SIGNATURE, "128 lowercase hex characters"),
+        ):
             if not pattern.fullmatch(value):
                 raise unauthorized(f"malformed {name}: expected {what}")
         weak = weak_public_key(key)
@@ -132,20 +142,27 @@ class Authenticator:
         now = self.clock()
         skew = int(stamp) / 1000 - now
         if abs(skew) > self.max_skew_s:
-            raise unauthorized(f"{HEADER_TIMESTAMP} is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} "
-                               f"the service's clock (at most {self.max_skew_s:g} s allowed): sync the clock")
+            raise unauthorized(
+                f"{HEADER_TIMESTAMP} is {abs(skew):.1f} s {'ahead of' if skew > 0 else 'behind'} "
+                f"the service's clock (at most {self.max_skew_s:g} s allowed): sync the clock"
+            )
         if int(stamp) / 1000 <= self.refuse_up_to:
             wait = max(1, math.ceil(self.refuse_up_to - now))
-            raise HTTPException(503, "the service restarted after an unclean stop and cannot tell a replay from a "
-                                     f"request stamped before {self.refuse_up_to:.3f}: sign it again in {wait} s",
-                                headers={"Retry-After": str(wait)})
+            raise HTTPException(
+                503,
+                "the service restarted after an unclean stop and cannot tell a replay from a "
+                f"request stamped before {self.refuse_up_to:.3f}: sign it again in {wait} s",
+                headers={"Retry-After": str(wait)},
+            )
         target = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
         query = scope["query_string"].decode("latin-1")
         if query:
             target += "?" + query
         if not verify_signature(key, signature, scope["method"], target, stamp, nonce, body):
-            raise unauthorized(f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
-                               "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)")
+            raise unauthorized(
+                f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
+                "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"
+            )
         if not self.nonces.add(nonce, now + 2 * self.max_skew_s):
             raise unauthorized(f"replayed request: {HEADER_NONCE} {nonce} was already used")
         return key
@@ -157,7 +174,9 @@ class Authenticator:
             return False
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise HTTPException(401, "Authorization must be 'Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "Authorization must be 'Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
         if self.admin_token is None:
             raise HTTPException(403, "admin routes are disabled: set orchestrator.admin_token")
         if not hmac.compare_digest(token.encode(), self.admin_token.encode()):
@@ -166,8 +185,9 @@ class Authenticator:
 
     def require_admin(self, request: Request) -> None:
         if not self.is_admin(request):
-            raise HTTPException(401, "admin route: send 'Authorization: Bearer <admin token>'",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(
+                401, "admin route: send 'Authorization: Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"}
+            )
 
 
 @dataclass
@@ -201,7 +221,10 @@ class RateLimiter:
         bucket.updated = now
         if bucket.tokens < 1:
             wait = (1 - bucket.tokens) / self.rate
-            raise HTTPException(429, f"rate limit: at most {self.rate * 60:g} {self.what} per minute "
-                                     f"(burst {self.burst}); retry in {wait:.1f} s",
-                                headers={"Retry-After": str(math.ceil(wait))})
+            raise HTTPException(
+                429,
+                f"rate limit: at most {self.rate * 60:g} {self.what} per minute "
+                f"(burst {self.burst}); retry in {wait:.1f} s",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )
         bucket.tokens -= 1

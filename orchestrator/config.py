@@ -106,8 +106,10 @@ class OrchestratorConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> OrchestratorConfig:
-        require(self.heartbeat_interval_s < self.unhealthy_after_s < self.dead_after_s,
-                ("orchestrator.heartbeat_interval_s", "orchestrator.unhealthy_after_s", "orchestrator.dead_after_s"),
-                "need orchestrator.heartbeat_interval_s < unhealthy_after_s < dead_after_s, got "
-                f"{self.heartbeat_interval_s} / {self.unhealthy_after_s} / {self.dead_after_s}")
+        require(
+            self.heartbeat_interval_s < self.unhealthy_after_s < self.dead_after_s,
+            ("orchestrator.heartbeat_interval_s", "orchestrator.unhealthy_after_s", "orchestrator.dead_after_s"),
+            "need orchestrator.heartbeat_interval_s < unhealthy_after_s < dead_after_s, got "
+            f"{self.heartbeat_interval_s} / {self.unhealthy_after_s} / {self.dead_after_s}",
+        )
         return self

@@ -51,13 +51,22 @@ def _card(ident: str, label: str, value: object) -> str:
 
 def _throughput(svc: Orchestrator, now: float, window_s: float) -> tuple[int, int]:
     with svc.db() as s:
-        samples, tokens = s.execute(select(func.sum(Work.num_samples), func.sum(Work.verified_tokens))
-                                    .where(Work.state == ACCEPTED, Work.verdict_at > now - window_s)).one()
+        samples, tokens = s.execute(
+            select(func.sum(Work.num_samples), func.sum(Work.verified_tokens)).where(
+                Work.state == ACCEPTED, Work.verdict_at > now - window_s
+            )
+        ).one()
     return samples or 0, tokens or 0
 
 
-def render(svc: Orchestrator, policy: PolicyInfo, nodes: list[NodeInfo], ledger: Ledger, after: str | None = None,
-           next_after: str | None = None) -> str:
+def render(
+    svc: Orchestrator,
+    policy: PolicyInfo,
+    nodes: list[NodeInfo],
+    ledger: Ledger,
+    after: str | None = None,
+    next_after: str | None = None,
+) -> str:
     """The page: totals over the whole pool, `nodes` and `ledger` (one page of each, after the key `after`) in
     the tables, and a link to the page after `next_after` when there is one."""
     now = svc.clock()
@@ -67,39 +76,47 @@ def render(svc: Orchestrator, policy: PolicyInfo, nodes: list[NodeInfo], ledger:
     samples_10, tokens_10 = _throughput(svc, now, 600)
     state_of = {n.key: ("banned" if n.banned else n.state) for n in nodes}
     by_state = Counter("banned" if n.banned else n.state for n in list(svc.registry.live.values()))
-    cards = "".join([
-        _card("policy-version", "policy version", policy.version),
-        _card("learner-step", "learner step", policy.learner_step),
-        _card("window", "async window (versions)", f"{policy.min_version}-{policy.version}"),
-        _card("nodes-healthy", "healthy nodes", by_state["healthy"]),
-        _card("nodes-unhealthy", "unhealthy nodes", by_state["unhealthy"]),
-        _card("nodes-dead", "dead nodes", by_state["dead"]),
-        _card("nodes-banned", "banned nodes", by_state["banned"]),
-        _card("samples-per-min", "accepted samples / min", samples_min),
-        _card("tokens-per-min", "accepted tokens / min", tokens_min),
-        _card("samples-10min", "accepted samples, last 10 min", samples_10),
-        _card("tokens-10min", "accepted tokens, last 10 min", tokens_10),
-        _card("batches-pending", "batches awaiting a verdict", counts.get(SUBMITTED, 0)),
-        _card("batches-accepted", "batches accepted", counts.get(ACCEPTED, 0)),
-        _card("batches-rejected", "batches rejected", counts.get(REJECTED, 0)),
-        _card("assignments-expired", "assignments expired", svc.scheduler.expired_total),
-    ])
+    cards = "".join(
+        [
+            _card("policy-version", "policy version", policy.version),
+            _card("learner-step", "learner step", policy.learner_step),
+            _card("window", "async window (versions)", f"{policy.min_version}-{policy.version}"),
+            _card("nodes-healthy", "healthy nodes", by_state["healthy"]),
+            _card("nodes-unhealthy", "unhealthy nodes", by_state["unhealthy"]),
+            _card("nodes-dead", "dead nodes", by_state["dead"]),
+            _card("nodes-banned", "banned nodes", by_state["banned"]),
+            _card("samples-per-min", "accepted samples / min", samples_min),
+            _card("tokens-per-min", "accepted tokens / min", tokens_min),
+            _card("samples-10min", "accepted samples, last 10 min", samples_10),
+            _card("tokens-10min", "accepted tokens, last 10 min", tokens_10),
+            _card("batches-pending", "batches awaiting a verdict", counts.get(SUBMITTED, 0)),
+            _card("batches-accepted", "batches accepted", counts.get(ACCEPTED, 0)),
+            _card("batches-rejected", "batches rejected", counts.get(REJECTED, 0)),
+            _card("assignments-expired", "assignments expired", svc.scheduler.expired_total),
+        ]
+    )
     node_rows = "".join(
         f'<tr id="node-{n.key}"><td><code title="{n.key}">{n.key[:16]}</code></td><td>{n.role}</td>'
         f'<td class="{state_of[n.key]}">{state_of[n.key]}</td><td>{_ago(now, n.last_seen)}</td>'
-        f'<td class="n">{n.open_assignments}</td><td>{_e(n.ban_reason or "")}</td></tr>' for n in nodes)
+        f'<td class="n">{n.open_assignments}</td><td>{_e(n.ban_reason or "")}</td></tr>'
+        for n in nodes
+    )
     ledger_rows = "".join(
         f'<tr id="ledger-{e.node_key}"><td><code title="{e.node_key}">{e.node_key[:16]}</code></td><td>{e.role}</td>'
         f'<td class="n">{e.accepted_batches}</td><td class="n">{e.accepted_samples}</td>'
         f'<td class="n">{e.accepted_tokens}</td><td class="n">{e.rejected_batches}</td>'
-        f'<td>{_e(", ".join(f"{k}: {v}" for k, v in sorted(e.rejection_reasons.items())))}</td>'
+        f"<td>{_e(', '.join(f'{k}: {v}' for k, v in sorted(e.rejection_reasons.items())))}</td>"
         f'<td class="n">{e.expired_assignments}</td></tr>'
-        for e in ledger.entries)
+        for e in ledger.entries
+    )
     pages = '<a id="first-page" href="/">first page</a>' if after else ""
     if next_after:
         pages += f' <a id="next-page" href="/?after={urllib.parse.quote(next_after)}">next page</a>'
-    shown = (f"{len(nodes)} of {len(svc.registry.live)} nodes, in key order"
-             + (f", after {_e(after[:16])}..." if after else "") + f" {pages}")
+    shown = (
+        f"{len(nodes)} of {len(svc.registry.live)} nodes, in key order"
+        + (f", after {_e(after[:16])}..." if after else "")
+        + f" {pages}"
+    )
     stamp = datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     relays = ", ".join(policy.relays) or "none"
     return f"""<!DOCTYPE html>

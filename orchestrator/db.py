@@ -30,8 +30,25 @@ import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from sqlalchemy import (JSON, BigInteger, Boolean, Connection, Engine, Float, ForeignKey, Index, Integer, String,
-                        Text, UniqueConstraint, create_engine, event, inspect, select, text)
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Connection,
+    Engine,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    inspect,
+    select,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 3
@@ -85,9 +102,12 @@ class Work(Base):
     """An assignment and, once announced, its batch and verdict."""
 
     __tablename__ = "assignments"
-    __table_args__ = (UniqueConstraint("node_key", "version", "k"), Index("ix_work_state_version", "state", "version"),
-                      Index("ix_work_node_state", "node_key", "state"),
-                      Index("ix_work_verdict_at", "verdict_at"))  # the dashboard's throughput of recent minutes
+    __table_args__ = (
+        UniqueConstraint("node_key", "version", "k"),
+        Index("ix_work_state_version", "state", "version"),
+        Index("ix_work_node_state", "node_key", "state"),
+        Index("ix_work_verdict_at", "verdict_at"),
+    )  # the dashboard's throughput of recent minutes
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
@@ -172,8 +192,9 @@ def _sqlite_pragmas(dbapi_connection, _record, autocheckpoint: bool = True) -> N
     cursor.close()
 
 
-def open_database(url: str, migrations: Mapping[int, Callable[[Connection], None]] = MIGRATIONS, *,
-                  autocheckpoint: bool = True) -> Engine:
+def open_database(
+    url: str, migrations: Mapping[int, Callable[[Connection], None]] = MIGRATIONS, *, autocheckpoint: bool = True
+) -> Engine:
     """An engine on `url` whose schema is at SCHEMA_VERSION: created if the database is empty, upgraded with
     `migrations` if older; raises SchemaError if it cannot be used. SQLite with `autocheckpoint=False`: no
     commit copies the WAL back into the database file (the service does that off its event loop, see
@@ -190,19 +211,25 @@ def open_database(url: str, migrations: Mapping[int, Callable[[Connection], None
             return engine
         if SchemaInfo.__tablename__ not in tables:
             engine.dispose()
-            raise SchemaError(f"database {shown} has tables ({', '.join(sorted(tables))}) but no schema_info: it "
-                              "is not an orchestrator database; give orchestrator.database_url an empty one")
+            raise SchemaError(
+                f"database {shown} has tables ({', '.join(sorted(tables))}) but no schema_info: it "
+                "is not an orchestrator database; give orchestrator.database_url an empty one"
+            )
         version = conn.execute(select(SchemaInfo.version)).scalar_one()
         if version > SCHEMA_VERSION:
             engine.dispose()
-            raise SchemaError(f"database {shown} has schema version {version}, written by a newer orchestrator "
-                              f"(this one knows up to {SCHEMA_VERSION}); upgrade intellect to open it")
+            raise SchemaError(
+                f"database {shown} has schema version {version}, written by a newer orchestrator "
+                f"(this one knows up to {SCHEMA_VERSION}); upgrade intellect to open it"
+            )
         while version < SCHEMA_VERSION:
             if version not in migrations:
                 engine.dispose()
-                raise SchemaError(f"database {shown} has schema version {version} and this release cannot "
-                                  f"upgrade it to {SCHEMA_VERSION} (no migration from {version}); start a new "
-                                  "database or open it with the release that wrote it")
+                raise SchemaError(
+                    f"database {shown} has schema version {version} and this release cannot "
+                    f"upgrade it to {SCHEMA_VERSION} (no migration from {version}); start a new "
+                    "database or open it with the release that wrote it"
+                )
             migrations[version](conn)
             version += 1
             conn.execute(text("UPDATE schema_info SET version = :v"), {"v": version})

@@ -27,8 +27,16 @@ from fastapi import HTTPException
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, PlainTextResponse
 
-from bridge.protocol.messages import (BATCH_ID_PATTERN, BatchAnnouncement, BatchRecord, ClaimRequest, ClaimResponse,
-                                      HeartbeatRequest, HeartbeatResponse, Verdict)
+from bridge.protocol.messages import (
+    BATCH_ID_PATTERN,
+    BatchAnnouncement,
+    BatchRecord,
+    ClaimRequest,
+    ClaimResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    Verdict,
+)
 from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from orchestrator.durability import tracking_commits
 from orchestrator.guards import BodyError, decode_json, is_json_content_type
@@ -37,8 +45,9 @@ if TYPE_CHECKING:
     from orchestrator.service import NodeRoutes, Orchestrator
 
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
-_HEADERS = tuple(name.lower().encode("latin-1") for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE,
-                                                                  HEADER_SIGNATURE))
+_HEADERS = tuple(
+    name.lower().encode("latin-1") for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)
+)
 _JSON = (b"content-type", b"application/json")
 log = logging.getLogger("orchestrator")
 _PATH_PARAM = re.compile(BATCH_ID_PATTERN)  # the one path parameter of the table's routes is a batch id
@@ -59,17 +68,41 @@ class NodeRoute:
 
 
 NODE_ROUTES = (
-    NodeRoute(HEARTBEAT_PATH, HeartbeatRequest, HeartbeatResponse, None, "heartbeat",
-              description="A node's liveness; a worker's reply lists its open assignments (a new one when there is "
-                          "room)."),
-    NodeRoute("/v1/batches", BatchAnnouncement, BatchRecord, "worker", "announce",
-              responses=((409, "conflict"), (429, "rate limited")),
-              description="A worker announces the batch it committed for one of its assignments."),
-    NodeRoute("/v1/validation/claim", ClaimRequest, ClaimResponse, "validator", "claim", empty_body=ClaimRequest(),
-              description="A validator takes the oldest batch awaiting a verdict (or the one it holds) on a lease."),
-    NodeRoute("/v1/batches/{batch_id}/verdict", Verdict, BatchRecord, "validator", "verdict",
-              responses=((404, "no such batch"), (409, "not your claim")),
-              description="A validator's judgement of a batch it claimed."),
+    NodeRoute(
+        HEARTBEAT_PATH,
+        HeartbeatRequest,
+        HeartbeatResponse,
+        None,
+        "heartbeat",
+        description="A node's liveness; a worker's reply lists its open assignments (a new one when there is room).",
+    ),
+    NodeRoute(
+        "/v1/batches",
+        BatchAnnouncement,
+        BatchRecord,
+        "worker",
+        "announce",
+        responses=((409, "conflict"), (429, "rate limited")),
+        description="A worker announces the batch it committed for one of its assignments.",
+    ),
+    NodeRoute(
+        "/v1/validation/claim",
+        ClaimRequest,
+        ClaimResponse,
+        "validator",
+        "claim",
+        empty_body=ClaimRequest(),
+        description="A validator takes the oldest batch awaiting a verdict (or the one it holds) on a lease.",
+    ),
+    NodeRoute(
+        "/v1/batches/{batch_id}/verdict",
+        Verdict,
+        BatchRecord,
+        "validator",
+        "verdict",
+        responses=((404, "no such batch"), (409, "not your claim")),
+        description="A validator's judgement of a batch it claimed.",
+    ),
 )
 
 
@@ -173,8 +206,13 @@ def fast_lane(app: Callable, svc: Orchestrator, routes: NodeRoutes, fastapi_rout
             if failure is not None:
                 await failure(scope, receive, send)
             else:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-length", str(len(reply)).encode()), _JSON]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [(b"content-length", str(len(reply)).encode()), _JSON],
+                    }
+                )
                 await send({"type": "http.response.body", "body": reply})
         finally:
             svc.metrics.observe("POST", spec.path, status, time.perf_counter() - start)

@@ -103,12 +103,22 @@ def validation_errors(errors: Iterable[dict]) -> list[dict]:
     out = []
     for error in errors:
         if len(out) == MAX_ERRORS:
-            out.append({"type": "too_many_errors", "loc": [], "msg": f"more than {MAX_ERRORS} errors; the first "
-                                                                       f"{MAX_ERRORS} are listed"})
+            out.append(
+                {
+                    "type": "too_many_errors",
+                    "loc": [],
+                    "msg": f"more than {MAX_ERRORS} errors; the first {MAX_ERRORS} are listed",
+                }
+            )
             break
         loc = [part if isinstance(part, int) else _clean(str(part), MAX_LOC_CHARS) for part in error.get("loc", ())]
-        out.append({"type": _clean(str(error.get("type", "value_error")), MAX_LOC_CHARS), "loc": loc,
-                    "msg": _clean(str(error.get("msg", "")), MAX_MSG_CHARS)})
+        out.append(
+            {
+                "type": _clean(str(error.get("type", "value_error")), MAX_LOC_CHARS),
+                "loc": loc,
+                "msg": _clean(str(error.get("msg", "")), MAX_MSG_CHARS),
+            }
+        )
     return out
 
 
@@ -129,8 +139,10 @@ class BoundedFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
         if len(message) > self.max_chars:
-            record.msg, record.args = (f"{message[:self.max_chars]}... [{len(message) - self.max_chars} "
-                                       "characters cut]"), None
+            record.msg, record.args = (
+                (f"{message[: self.max_chars]}... [{len(message) - self.max_chars} characters cut]"),
+                None,
+            )
         if record.exc_info and not record.exc_text:
             text = self.inner.formatException(record.exc_info)
             if len(text) > self.max_chars:  # the end of a traceback names the error: keep the head and the tail
@@ -140,8 +152,9 @@ class BoundedFormatter(logging.Formatter):
         return self.inner.format(record)
 
 
-def bound_log_lines(max_chars: int = 4000, loggers: Iterable[str] = ("", "uvicorn", "uvicorn.error",
-                                                                    "uvicorn.access")) -> None:
+def bound_log_lines(
+    max_chars: int = 4000, loggers: Iterable[str] = ("", "uvicorn", "uvicorn.error", "uvicorn.access")
+) -> None:
     """Every handler of `loggers` (the root's and uvicorn's) formats through a BoundedFormatter."""
     for name in loggers:
         for handler in logging.getLogger(name).handlers:

@@ -22,12 +22,24 @@ from bridge.protocol.messages import Ledger, LedgerEntry
 from orchestrator.db import ACCEPTED, REJECTED, Node, Work
 from orchestrator.nodes import NodeRegistry
 
-CSV_COLUMNS = ("node_key", "role", "accepted_batches", "accepted_samples", "accepted_tokens", "rejected_batches",
-               "rejection_reasons", "expired_assignments", "first_seen", "last_seen", "banned")
+CSV_COLUMNS = (
+    "node_key",
+    "role",
+    "accepted_batches",
+    "accepted_samples",
+    "accepted_tokens",
+    "rejected_batches",
+    "rejection_reasons",
+    "expired_assignments",
+    "first_seen",
+    "last_seen",
+    "banned",
+)
 
 
-def build_ledger(s: Session, registry: NodeRegistry, now: float, after: str | None = None,
-                 limit: int | None = None) -> Ledger:
+def build_ledger(
+    s: Session, registry: NodeRegistry, now: float, after: str | None = None, limit: int | None = None
+) -> Ledger:
     """The ledger of the nodes after the key `after` (None: from the first), at most `limit` (None: all), in key
     order; `next_after` is the last key listed when more may follow."""
     query = select(Node).order_by(Node.key)
@@ -36,27 +48,55 @@ def build_ledger(s: Session, registry: NodeRegistry, now: float, after: str | No
     nodes = list(s.scalars(query if limit is None else query.limit(limit)))
     keys = [n.key for n in nodes]
     mine = Work.node_key.in_(keys) if limit is not None or after is not None else true()
-    accepted = {key: (batches, samples or 0, tokens or 0) for key, batches, samples, tokens in s.execute(
-        select(Work.node_key, func.count(), func.sum(Work.num_samples), func.sum(Work.verified_tokens))
-        .where(Work.state == ACCEPTED, mine).group_by(Work.node_key))} if keys else {}
+    accepted = (
+        {
+            key: (batches, samples or 0, tokens or 0)
+            for key, batches, samples, tokens in s.execute(
+                select(Work.node_key, func.count(), func.sum(Work.num_samples), func.sum(Work.verified_tokens))
+                .where(Work.state == ACCEPTED, mine)
+                .group_by(Work.node_key)
+            )
+        }
+        if keys
+        else {}
+    )
     reasons: dict[str, Counter] = defaultdict(Counter)
     rejected: Counter = Counter()
-    for key, checks, reason in (s.execute(select(Work.node_key, Work.failed_checks, Work.reason)
-                                          .where(Work.state == REJECTED, mine)) if keys else ()):
+    for key, checks, reason in (
+        s.execute(select(Work.node_key, Work.failed_checks, Work.reason).where(Work.state == REJECTED, mine))
+        if keys
+        else ()
+    ):
         rejected[key] += 1
         reasons[key].update(checks or [reason or "unspecified"])
-    expired = dict(s.execute(select(Work.node_key, func.count()).where(Work.expired_at.is_not(None), mine)
-                             .group_by(Work.node_key)).all()) if keys else {}
+    expired = (
+        dict(
+            s.execute(
+                select(Work.node_key, func.count()).where(Work.expired_at.is_not(None), mine).group_by(Work.node_key)
+            ).all()
+        )
+        if keys
+        else {}
+    )
     entries = []
     for node in nodes:
         batches, samples, tokens = accepted.get(node.key, (0, 0, 0))
         live = registry.live.get(node.key)
-        entries.append(LedgerEntry(node_key=node.key, role=node.role, accepted_batches=batches,
-                                   accepted_samples=samples, accepted_tokens=tokens,
-                                   rejected_batches=rejected[node.key], rejection_reasons=dict(reasons[node.key]),
-                                   expired_assignments=expired.get(node.key, 0),
-                                   first_seen=node.first_seen, last_seen=live.last_seen if live else node.last_seen,
-                                   banned=node.banned))
+        entries.append(
+            LedgerEntry(
+                node_key=node.key,
+                role=node.role,
+                accepted_batches=batches,
+                accepted_samples=samples,
+                accepted_tokens=tokens,
+                rejected_batches=rejected[node.key],
+                rejection_reasons=dict(reasons[node.key]),
+                expired_assignments=expired.get(node.key, 0),
+                first_seen=node.first_seen,
+                last_seen=live.last_seen if live else node.last_seen,
+                banned=node.banned,
+            )
+        )
     more = limit is not None and len(nodes) == limit
     return Ledger(entries=entries, generated_at=now, next_after=keys[-1] if more else None)
 
@@ -68,7 +108,19 @@ def ledger_csv(ledger: Ledger) -> str:
     writer.writerow(CSV_COLUMNS)
     for e in ledger.entries:
         reasons = ";".join(f"{k}={v}" for k, v in sorted(e.rejection_reasons.items()))
-        writer.writerow([e.node_key, e.role, e.accepted_batches, e.accepted_samples, e.accepted_tokens,
-                         e.rejected_batches, reasons, e.expired_assignments, f"{e.first_seen:.3f}",
-                         f"{e.last_seen:.3f}", str(e.banned).lower()])
+        writer.writerow(
+            [
+                e.node_key,
+                e.role,
+                e.accepted_batches,
+                e.accepted_samples,
+                e.accepted_tokens,
+                e.rejected_batches,
+                reasons,
+                e.expired_assignments,
+                f"{e.first_seen:.3f}",
+                f"{e.last_seen:.3f}",
+                str(e.banned).lower(),
+            ]
+        )
     return out.getvalue()

@@ -32,8 +32,9 @@ class _StateCollector:
 
     def collect(self):
         svc = self.service
-        nodes = GaugeMetricFamily("orchestrator_nodes", "Nodes by role and state (banned nodes as state=banned)",
-                                  labels=["role", "state"])
+        nodes = GaugeMetricFamily(
+            "orchestrator_nodes", "Nodes by role and state (banned nodes as state=banned)", labels=["role", "state"]
+        )
         states = Counter(("banned" if n.banned else n.state, n.role) for n in svc.registry.live.values())
         for role in ("worker", "validator"):
             for state in ("pending", "healthy", "unhealthy", "dead", "banned"):
@@ -42,8 +43,11 @@ class _StateCollector:
         now = svc.clock()
         with svc.db() as s:
             by_state = dict(s.execute(select(Work.state, func.count()).group_by(Work.state)).all())
-            claimed = s.scalar(select(func.count()).select_from(Work).where(
-                Work.state == SUBMITTED, Work.claimed_by.is_not(None), Work.lease_expires > now))
+            claimed = s.scalar(
+                select(func.count())
+                .select_from(Work)
+                .where(Work.state == SUBMITTED, Work.claimed_by.is_not(None), Work.lease_expires > now)
+            )
             oldest = s.scalar(select(func.min(Work.announced_at)).where(Work.state == SUBMITTED))
         work = GaugeMetricFamily("orchestrator_assignments", "Assignments by state", labels=["state"])
         for state in ("open", "submitted", "accepted", "rejected", "lost", "expired"):
@@ -51,28 +55,48 @@ class _StateCollector:
         yield work
         batches = GaugeMetricFamily("orchestrator_batches", "Announced batches by status", labels=["status"])
         pending = by_state.get(SUBMITTED, 0)
-        for status, count in (("submitted", pending - claimed), ("validating", claimed),
-                              ("accepted", by_state.get("accepted", 0)), ("rejected", by_state.get("rejected", 0))):
+        for status, count in (
+            ("submitted", pending - claimed),
+            ("validating", claimed),
+            ("accepted", by_state.get("accepted", 0)),
+            ("rejected", by_state.get("rejected", 0)),
+        ):
             batches.add_metric([status], count)
         yield batches
-        yield GaugeMetricFamily("orchestrator_policy_version", "Current policy version", value=svc.scheduler.policy.version)
-        yield GaugeMetricFamily("orchestrator_window_work", "Work in the async window (open, submitted, accepted "
-                                "and unread)", value=svc.scheduler.window_work())
-        yield GaugeMetricFamily("orchestrator_window_capacity", "Most work the async window holds",
-                                value=svc.scheduler.capacity)
-        yield GaugeMetricFamily("orchestrator_oldest_unvalidated_seconds",
-                                "Age of the oldest batch without a verdict (0: none)",
-                                value=max(0.0, now - oldest) if oldest is not None else 0.0)
+        yield GaugeMetricFamily(
+            "orchestrator_policy_version", "Current policy version", value=svc.scheduler.policy.version
+        )
+        yield GaugeMetricFamily(
+            "orchestrator_window_work",
+            "Work in the async window (open, submitted, accepted and unread)",
+            value=svc.scheduler.window_work(),
+        )
+        yield GaugeMetricFamily(
+            "orchestrator_window_capacity", "Most work the async window holds", value=svc.scheduler.capacity
+        )
+        yield GaugeMetricFamily(
+            "orchestrator_oldest_unvalidated_seconds",
+            "Age of the oldest batch without a verdict (0: none)",
+            value=max(0.0, now - oldest) if oldest is not None else 0.0,
+        )
 
 
 class Metrics:
     def __init__(self, service: Orchestrator):
         self.registry = CollectorRegistry()
-        self.latency = Histogram("orchestrator_request_seconds", "Request latency", ["method", "route", "status"],
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.validation_lag = Histogram("orchestrator_validation_lag_seconds",
-                                        "Seconds from a batch's announcement to its verdict", buckets=LAG_BUCKETS,
-                                        registry=self.registry)
+        self.latency = Histogram(
+            "orchestrator_request_seconds",
+            "Request latency",
+            ["method", "route", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.validation_lag = Histogram(
+            "orchestrator_validation_lag_seconds",
+            "Seconds from a batch's announcement to its verdict",
+            buckets=LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_StateCollector(service))
         self._children: dict[tuple[str, str, int], Histogram] = {}  # labels() takes a lock and builds a key
 
@@ -105,7 +129,11 @@ class Metrics:
             try:
                 await app(scope, receive, send_status)
             finally:
-                observe_one(scope["method"], getattr(scope.get("route"), "path", "unmatched"), status[0],
-                            time.perf_counter() - start)
+                observe_one(
+                    scope["method"],
+                    getattr(scope.get("route"), "path", "unmatched"),
+                    status[0],
+                    time.perf_counter() - start,
+                )
 
         return observe

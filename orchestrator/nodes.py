@@ -51,9 +51,16 @@ class LiveNode:
 
 
 class NodeRegistry:
-    def __init__(self, db: sessionmaker[Session], requirements: PoolRequirements, unhealthy_after_s: float,
-                 dead_after_s: float, challenge_timeout_s: float, clock: Callable[[], float],
-                 validator_keys: Sequence[str] | None = None):
+    def __init__(
+        self,
+        db: sessionmaker[Session],
+        requirements: PoolRequirements,
+        unhealthy_after_s: float,
+        dead_after_s: float,
+        challenge_timeout_s: float,
+        clock: Callable[[], float],
+        validator_keys: Sequence[str] | None = None,
+    ):
         self.db = db
         self.validator_keys = None if validator_keys is None else {k.lower() for k in validator_keys}
         self.requirements = requirements
@@ -64,8 +71,12 @@ class NodeRegistry:
         self.on_release: Callable[[str], None] = lambda key: None  # told after a node's open work is released
         self._flushed_at = clock()
         with db() as s:  # columns, not ORM objects: a restart at 100,000 nodes loads in a fraction of a second
-            self.live = {key: LiveNode(role, state, banned, seen, seen) for key, role, state, banned, seen in
-                         s.execute(select(Node.key, Node.role, Node.state, Node.banned, Node.last_seen))}
+            self.live = {
+                key: LiveNode(role, state, banned, seen, seen)
+                for key, role, state, banned, seen in s.execute(
+                    select(Node.key, Node.role, Node.state, Node.banned, Node.last_seen)
+                )
+            }
 
     def check_known(self, key: str, *, allow_unknown: bool = False) -> LiveNode | None:
         """The node of an authentic key; 403 if it is banned, or unknown (unless `allow_unknown`)."""
@@ -86,8 +97,9 @@ class NodeRegistry:
         with self.db() as s:
             return s.get(Node, key).challenge_seed
 
-    def register(self, key: str, role: Role, hardware: HardwareReport, answer: str | None,
-                 solved: tuple[int, str] | None = None) -> tuple[str, list[str], Challenge | None]:
+    def register(
+        self, key: str, role: Role, hardware: HardwareReport, answer: str | None, solved: tuple[int, str] | None = None
+    ) -> tuple[str, list[str], Challenge | None]:
         """(status, reasons, challenge) of a registration; admitted nodes start healthy.
 
         `solved` is (seed, solve_challenge(seed, size)) of the node's pending challenge, computed by the caller
@@ -105,8 +117,7 @@ class NodeRegistry:
             if node is not None and node.banned:  # the database is the record: never overwritten by a registration
                 raise HTTPException(403, f"node {key[:16]}... is banned: {node.ban_reason}")
             if node is None:
-                node = Node(key=key, role=role, state=PENDING, banned=False, hardware={}, first_seen=now,
-                            last_seen=now)
+                node = Node(key=key, role=role, state=PENDING, banned=False, hardware={}, first_seen=now, last_seen=now)
                 s.add(node)
             node.role, node.hardware, node.last_seen = role, hardware.model_dump(), now
             status, challenge = "admitted", None
@@ -118,18 +129,27 @@ class NodeRegistry:
         self.live[key] = LiveNode(role, state, False, now, now)
         return status, reasons, challenge
 
-    def _challenge_step(self, node: Node, answer: str | None, solved: tuple[int, str] | None,
-                        now: float) -> tuple[str, list[str], Challenge | None]:
+    def _challenge_step(
+        self, node: Node, answer: str | None, solved: tuple[int, str] | None, now: float
+    ) -> tuple[str, list[str], Challenge | None]:
         if answer is None or node.challenge_seed is None:
             node.challenge_seed = secrets.randbits(63)
             node.challenge_expires = now + self.challenge_timeout_s
-            return "challenge", [], Challenge(seed=node.challenge_seed, size=self.requirements.challenge_size,
-                                              expires_at=node.challenge_expires)
+            return (
+                "challenge",
+                [],
+                Challenge(
+                    seed=node.challenge_seed, size=self.requirements.challenge_size, expires_at=node.challenge_expires
+                ),
+            )
         seed, expires = node.challenge_seed, node.challenge_expires
         node.challenge_seed = node.challenge_expires = None  # one answer per challenge
         if now > expires:
-            return "refused", [f"challenge answered {now - expires:.1f} s after its deadline; register again "
-                               "for a new one"], None
+            return (
+                "refused",
+                [f"challenge answered {now - expires:.1f} s after its deadline; register again for a new one"],
+                None,
+            )
         if solved is None or solved[0] != seed or answer != solved[1]:
             return "refused", ["wrong challenge answer; register again for a new challenge"], None
         return "admitted", [], None
@@ -163,8 +183,12 @@ class NodeRegistry:
         if changes:
             table = Node.__table__
             with self.db.begin() as s:
-                s.execute(update(table).where(table.c.key == bindparam("k"))
-                          .values(state=bindparam("st"), last_seen=bindparam("seen")), changes)
+                s.execute(
+                    update(table)
+                    .where(table.c.key == bindparam("k"))
+                    .values(state=bindparam("st"), last_seen=bindparam("seen")),
+                    changes,
+                )
                 for key in died:
                     release_open_work(s, key, now)
         for change in changes:
@@ -197,8 +221,9 @@ class NodeRegistry:
         self.live[key].banned = True
         self.on_release(key)
 
-    def info(self, s: Session, keys: list[str] | None = None, after: str | None = None,
-             limit: int | None = None) -> list[NodeInfo]:
+    def info(
+        self, s: Session, keys: list[str] | None = None, after: str | None = None, limit: int | None = None
+    ) -> list[NodeInfo]:
         """Nodes in key order: those in `keys`, else those after the key `after`, at most `limit`. Only the nodes
         listed are read (a page costs the same at 100,000 nodes as at 100)."""
         query = select(Node).order_by(Node.key)
@@ -210,16 +235,34 @@ class NodeRegistry:
             query = query.limit(limit)
         nodes = list(s.scalars(query))
         listed = [n.key for n in nodes]
-        open_counts = dict(s.execute(select(Work.node_key, func.count()).where(Work.state == OPEN,
-                                                                              Work.node_key.in_(listed))
-                                     .group_by(Work.node_key)).all()) if listed else {}
+        open_counts = (
+            dict(
+                s.execute(
+                    select(Work.node_key, func.count())
+                    .where(Work.state == OPEN, Work.node_key.in_(listed))
+                    .group_by(Work.node_key)
+                ).all()
+            )
+            if listed
+            else {}
+        )
         out = []
         for n in nodes:
             live = self.live.get(n.key)
-            out.append(NodeInfo(key=n.key, role=n.role, state=live.state if live else n.state, banned=n.banned,
-                                ban_reason=n.ban_reason, hardware=n.hardware, first_seen=n.first_seen,
-                                last_seen=live.last_seen if live else n.last_seen,
-                                open_assignments=open_counts.get(n.key, 0), metrics=live.metrics if live else {}))
+            out.append(
+                NodeInfo(
+                    key=n.key,
+                    role=n.role,
+                    state=live.state if live else n.state,
+                    banned=n.banned,
+                    ban_reason=n.ban_reason,
+                    hardware=n.hardware,
+                    first_seen=n.first_seen,
+                    last_seen=live.last_seen if live else n.last_seen,
+                    open_assignments=open_counts.get(n.key, 0),
+                    metrics=live.metrics if live else {},
+                )
+            )
         return out
 
 

@@ -25,8 +25,11 @@ def rollback(database_url: str, version: int) -> dict[str, int]:
     try:
         with sessionmaker(engine).begin() as s:
             policies = s.execute(delete(Policy).where(Policy.version > version)).rowcount
-            lost = s.execute(update(Work).where(Work.version > version, Work.state.in_((OPEN, SUBMITTED)))
-                             .values(state=LOST, lost_at=time.time())).rowcount
+            lost = s.execute(
+                update(Work)
+                .where(Work.version > version, Work.state.in_((OPEN, SUBMITTED)))
+                .values(state=LOST, lost_at=time.time())
+            ).rowcount
     finally:
         engine.dispose()
     return {"policies_forgotten": policies, "work_lost": lost}

@@ -40,8 +40,15 @@ from sqlalchemy import Engine, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
-from bridge.protocol.messages import (Assignment, BatchAnnouncement, BatchRecord, BatchStatus, PolicyAnnouncement,
-                                      PolicyInfo, Verdict)
+from bridge.protocol.messages import (
+    Assignment,
+    BatchAnnouncement,
+    BatchRecord,
+    BatchStatus,
+    PolicyAnnouncement,
+    PolicyInfo,
+    Verdict,
+)
 from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
 from orchestrator.nodes import NodeRegistry
 
@@ -50,28 +57,51 @@ _TABLE = Work.__table__
 W = _TABLE.c
 
 # The hot paths' statements, built once: building a statement and its cache key costs more than running it.
-_COUNT_K = (select(func.count()).select_from(_TABLE)
-            .where(W.node_key == bindparam("key"), W.version == bindparam("version")))
+_COUNT_K = (
+    select(func.count()).select_from(_TABLE).where(W.node_key == bindparam("key"), W.version == bindparam("version"))
+)
 _INSERT = _TABLE.insert()
 _BY_ID = select(_TABLE).where(W.id == bindparam("wid"))
 _BY_BATCH = select(_TABLE).where(W.batch_id == bindparam("batch"))
 _ID_OF_BATCH = select(W.id).where(W.batch_id == bindparam("batch"))
 _UPDATE = _TABLE.update().where(W.id == bindparam("wid"))  # SET: the columns named in the parameters
-_EXPIRE = (_TABLE.update().where(W.id == bindparam("wid"), W.state == OPEN)
-           .values(state=EXPIRED, expired_at=bindparam("when")))
-_HELD_CLAIM = (select(_TABLE).where(W.state == SUBMITTED, W.claimed_by == bindparam("key"),
-                                    W.lease_expires > bindparam("now")).order_by(W.id).limit(1))
-_NEXT_CLAIM = (select(_TABLE).where(W.state == SUBMITTED,
-                                    or_(W.claimed_by.is_(None), W.lease_expires <= bindparam("now")))
-               .order_by(W.announced_at, W.id).limit(1))
+_EXPIRE = (
+    _TABLE.update().where(W.id == bindparam("wid"), W.state == OPEN).values(state=EXPIRED, expired_at=bindparam("when"))
+)
+_HELD_CLAIM = (
+    select(_TABLE)
+    .where(W.state == SUBMITTED, W.claimed_by == bindparam("key"), W.lease_expires > bindparam("now"))
+    .order_by(W.id)
+    .limit(1)
+)
+_NEXT_CLAIM = (
+    select(_TABLE)
+    .where(W.state == SUBMITTED, or_(W.claimed_by.is_(None), W.lease_expires <= bindparam("now")))
+    .order_by(W.announced_at, W.id)
+    .limit(1)
+)
 
 
 class WorkScheduler:
-    def __init__(self, db: sessionmaker[Session], registry: NodeRegistry, *, async_level: int,
-                 prompts_per_step: int, prompts_per_assignment: int, samples_per_prompt: int,
-                 max_inflight_per_node: int, num_tasks: int | None, claim_lease_s: float,
-                 ban_after_rejections: int, rejection_window_s: float, default_relays: Sequence[str],
-                 clock: Callable[[], float], deadline_s: float = math.inf, unproven_share: float = 1.0):
+    def __init__(
+        self,
+        db: sessionmaker[Session],
+        registry: NodeRegistry,
+        *,
+        async_level: int,
+        prompts_per_step: int,
+        prompts_per_assignment: int,
+        samples_per_prompt: int,
+        max_inflight_per_node: int,
+        num_tasks: int | None,
+        claim_lease_s: float,
+        ban_after_rejections: int,
+        rejection_window_s: float,
+        default_relays: Sequence[str],
+        clock: Callable[[], float],
+        deadline_s: float = math.inf,
+        unproven_share: float = 1.0,
+    ):
         self.db = db
         self.engine: Engine = db.kw["bind"]
         self.registry = registry
@@ -100,8 +130,12 @@ class WorkScheduler:
         with db() as s:
             latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             # manifest sha256 by version, as announced (SHARDCAST clients pin them; a claim names its version's)
-            self.manifests = {v: h for v, h in s.execute(select(Policy.version, Policy.manifest_sha256).where(
-                Policy.manifest_sha256.is_not(None)))}
+            self.manifests = {
+                v: h
+                for v, h in s.execute(
+                    select(Policy.version, Policy.manifest_sha256).where(Policy.manifest_sha256.is_not(None))
+                )
+            }
             self.policy = self._policy_info(latest)
             self._proven = set(s.scalars(select(Work.node_key).where(Work.state == ACCEPTED).distinct()))
             for w in s.scalars(select(Work).where(Work.state == OPEN).order_by(Work.id)):
@@ -118,11 +152,15 @@ class WorkScheduler:
     def _policy_info(self, row: Policy | None) -> PolicyInfo:
         version = row.version if row else 0
         oldest = max(0, version - self.async_level)
-        return PolicyInfo(version=version, learner_step=row.learner_step if row else 0,
-                          async_level=self.async_level, min_version=oldest,
-                          relays=(row.relays if row and row.relays else self.default_relays),
-                          announced_at=row.announced_at if row else None,
-                          manifests={v: self.manifests[v] for v in range(oldest, version + 1) if v in self.manifests})
+        return PolicyInfo(
+            version=version,
+            learner_step=row.learner_step if row else 0,
+            async_level=self.async_level,
+            min_version=oldest,
+            relays=(row.relays if row and row.relays else self.default_relays),
+            announced_at=row.announced_at if row else None,
+            manifests={v: self.manifests[v] for v in range(oldest, version + 1) if v in self.manifests},
+        )
 
     def announce_policy(self, msg: PolicyAnnouncement) -> PolicyInfo:
         """A new version from the learner; announcing the current one again is a no-op, an older one is 409.
@@ -137,10 +175,13 @@ class WorkScheduler:
             return self.policy
         with self.db.begin() as s:
             last = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
-            row = Policy(version=msg.version,
-                         learner_step=msg.version if msg.learner_step is None else msg.learner_step,
-                         relays=list(msg.relays) if msg.relays is not None else (last.relays if last else []),
-                         announced_at=self.clock(), manifest_sha256=msg.manifest_sha256)
+            row = Policy(
+                version=msg.version,
+                learner_step=msg.version if msg.learner_step is None else msg.learner_step,
+                relays=list(msg.relays) if msg.relays is not None else (last.relays if last else []),
+                announced_at=self.clock(),
+                manifest_sha256=msg.manifest_sha256,
+            )
             s.add(row)
         if msg.manifest_sha256 is not None:
             self.manifests[msg.version] = msg.manifest_sha256
@@ -155,21 +196,31 @@ class WorkScheduler:
     def _to_assignment(self, w: Any) -> Assignment:
         """The Assignment of a Work row (ORM object or Core row)."""
         count = w.prompts * w.samples_per_prompt
-        task_ids = (assigned_task_ids(w.node_key, w.version, w.k, self.num_tasks, w.prompts)
-                    if self.num_tasks else None)
-        return Assignment(id=w.id, version=w.version, k=w.k, prompts=w.prompts,
-                          samples_per_prompt=w.samples_per_prompt, task_ids=task_ids,
-                          sample_seeds=assigned_sample_seeds(w.node_key, w.version, w.k, count),
-                          issued_at=w.issued_at,
-                          expires_at=w.issued_at + self.deadline_s if math.isfinite(self.deadline_s) else None)
+        task_ids = assigned_task_ids(w.node_key, w.version, w.k, self.num_tasks, w.prompts) if self.num_tasks else None
+        return Assignment(
+            id=w.id,
+            version=w.version,
+            k=w.k,
+            prompts=w.prompts,
+            samples_per_prompt=w.samples_per_prompt,
+            task_ids=task_ids,
+            sample_seeds=assigned_sample_seeds(w.node_key, w.version, w.k, count),
+            issued_at=w.issued_at,
+            expires_at=w.issued_at + self.deadline_s if math.isfinite(self.deadline_s) else None,
+        )
 
     def window_work(self, recount: bool = False) -> int:
         """Work in the async window (see the module docstring), from the cache unless `recount`."""
         if self._window is None or recount:
             with self.db() as s:
-                self._window = s.scalar(select(func.count()).select_from(Work).where(
-                    Work.version >= self.policy.min_version,
-                    or_(Work.state.in_((OPEN, SUBMITTED)), (Work.state == ACCEPTED) & Work.delivered_at.is_(None))))
+                self._window = s.scalar(
+                    select(func.count())
+                    .select_from(Work)
+                    .where(
+                        Work.version >= self.policy.min_version,
+                        or_(Work.state.in_((OPEN, SUBMITTED)), (Work.state == ACCEPTED) & Work.delivered_at.is_(None)),
+                    )
+                )
         return self._window
 
     def _in_window(self, version: int) -> bool:
@@ -201,8 +252,11 @@ class WorkScheduler:
         """The worker's open assignments, after giving it a new one if it has room, the window has too, and (for
         a worker without an accepted batch) the unproven share of the window has room."""
         mine = self._open.get(key, [])
-        if (len(mine) < self.max_inflight_per_node and self.window_work() < self.capacity
-                and (key in self._proven or self._unproven_open < self.unproven_capacity)):
+        if (
+            len(mine) < self.max_inflight_per_node
+            and self.window_work() < self.capacity
+            and (key in self._proven or self._unproven_open < self.unproven_capacity)
+        ):
             work = self._issue(key, loaded_versions)
             mine = self._open[key]
             mine.append(self._to_assignment(work))
@@ -233,8 +287,11 @@ class WorkScheduler:
             self._window_add(-sum(self._in_window(a.version) for a in self._drop_open(key, ids)))
         for key in by_node:
             if self._should_ban(key, now):
-                self.registry.ban(key, f"automatic: {self.ban_after_rejections} rejected batches or expired "
-                                       f"assignments within {self.rejection_window_s:g} s")
+                self.registry.ban(
+                    key,
+                    f"automatic: {self.ban_after_rejections} rejected batches or expired "
+                    f"assignments within {self.rejection_window_s:g} s",
+                )
         return due
 
     def _issue(self, key: str, loaded_versions: Sequence[int]) -> SimpleNamespace:
@@ -244,8 +301,15 @@ class WorkScheduler:
             k = self._next_k.get((key, version))
             if k is None:  # assignments are only ever added, by this object: counted once, then kept
                 k = conn.scalar(_COUNT_K, {"key": key, "version": version})
-            work = SimpleNamespace(node_key=key, version=version, k=k, prompts=self.prompts_per_assignment,
-                                   samples_per_prompt=self.samples_per_prompt, state=OPEN, issued_at=self.clock())
+            work = SimpleNamespace(
+                node_key=key,
+                version=version,
+                k=k,
+                prompts=self.prompts_per_assignment,
+                samples_per_prompt=self.samples_per_prompt,
+                state=OPEN,
+                issued_at=self.clock(),
+            )
             work.id = conn.execute(_INSERT, vars(work)).inserted_primary_key[0]
         self._next_k[(key, version)] = k + 1
         return work
@@ -269,19 +333,29 @@ class WorkScheduler:
             if msg.version != work.version:
                 problems.append(f"version: {msg.version}, but assignment {work.id} is at version {work.version}")
             if msg.num_samples != expected_samples:
-                problems.append(f"num_samples: {msg.num_samples}, but assignment {work.id} asks for "
-                                f"{work.prompts} prompts x {work.samples_per_prompt} samples = {expected_samples}")
+                problems.append(
+                    f"num_samples: {msg.num_samples}, but assignment {work.id} asks for "
+                    f"{work.prompts} prompts x {work.samples_per_prompt} samples = {expected_samples}"
+                )
             suffix = f"v{msg.version:06d}/{msg.batch_id}"
             if not msg.store_path.rstrip("/").endswith(suffix):
                 problems.append(f"store_path: {msg.store_path!r} does not end with {suffix!r} (docs/design.md §6)")
             if problems:
-                raise HTTPException(422, [{"loc": ["body", p.split(":")[0]], "msg": p, "type": "value_error"}
-                                          for p in problems])
+                raise HTTPException(
+                    422, [{"loc": ["body", p.split(":")[0]], "msg": p, "type": "value_error"} for p in problems]
+                )
             if conn.scalar(_ID_OF_BATCH, {"batch": msg.batch_id}) is not None:
                 raise HTTPException(409, f"batch_id {msg.batch_id!r} is already taken by another assignment")
             now = self.clock()
-            change = dict(state=SUBMITTED, batch_id=msg.batch_id, store_path=msg.store_path, sha256=msg.sha256,
-                          num_samples=msg.num_samples, num_tokens=msg.num_tokens, announced_at=now)
+            change = dict(
+                state=SUBMITTED,
+                batch_id=msg.batch_id,
+                store_path=msg.store_path,
+                sha256=msg.sha256,
+                num_samples=msg.num_samples,
+                num_tokens=msg.num_tokens,
+                announced_at=now,
+            )
             conn.execute(_UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record = batch_record(work, now)
@@ -293,8 +367,10 @@ class WorkScheduler:
         """The batch this validator holds a live claim on, else the oldest unclaimed (or lapsed) batch."""
         now = self.clock()
         with self.engine.connect() as conn:  # commits only when it hands out a claim
-            row = (conn.execute(_HELD_CLAIM, {"key": key, "now": now}).first()
-                   or conn.execute(_NEXT_CLAIM, {"now": now}).first())
+            row = (
+                conn.execute(_HELD_CLAIM, {"key": key, "now": now}).first()
+                or conn.execute(_NEXT_CLAIM, {"now": now}).first()
+            )
             if row is None:
                 conn.rollback()
                 return None, None
@@ -318,16 +394,33 @@ class WorkScheduler:
                     return batch_record(work, now), False
                 raise HTTPException(409, f"batch {batch_id!r} was already judged ({work.state})")
             if work.claimed_by != key:
-                raise HTTPException(409, f"batch {batch_id!r}: this validator does not hold its claim "
-                                         "(POST /v1/validation/claim first; a lapsed lease may have gone to another)")
+                raise HTTPException(
+                    409,
+                    f"batch {batch_id!r}: this validator does not hold its claim "
+                    "(POST /v1/validation/claim first; a lapsed lease may have gone to another)",
+                )
             if msg.accepted and len(msg.rewards) != work.num_samples:
-                raise HTTPException(422, [{"loc": ["body", "rewards"], "type": "value_error",
-                                           "msg": f"rewards: {len(msg.rewards)} given, batch {batch_id!r} has "
-                                                  f"{work.num_samples} samples"}])
-            change = dict(state=ACCEPTED if msg.accepted else REJECTED, validator_key=key, verdict_at=now,
-                          verdict_seq=self._verdict_seq + 1, failed_checks=list(msg.failed_checks),
-                          reason=msg.reason or None, rewards=list(msg.rewards) if msg.accepted else None,
-                          verified_tokens=msg.num_tokens)
+                raise HTTPException(
+                    422,
+                    [
+                        {
+                            "loc": ["body", "rewards"],
+                            "type": "value_error",
+                            "msg": f"rewards: {len(msg.rewards)} given, batch {batch_id!r} has "
+                            f"{work.num_samples} samples",
+                        }
+                    ],
+                )
+            change = dict(
+                state=ACCEPTED if msg.accepted else REJECTED,
+                validator_key=key,
+                verdict_at=now,
+                verdict_seq=self._verdict_seq + 1,
+                failed_checks=list(msg.failed_checks),
+                reason=msg.reason or None,
+                rewards=list(msg.rewards) if msg.accepted else None,
+                verified_tokens=msg.num_tokens,
+            )
             conn.execute(_UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record, worker = batch_record(work, now), work.node_key
@@ -338,8 +431,9 @@ class WorkScheduler:
         if not msg.accepted:
             self._window_add(-int(self._in_window(record.version)))
         if not msg.accepted and self._should_ban(worker, now):
-            self.registry.ban(worker, f"automatic: {self.ban_after_rejections} rejected batches within "
-                                      f"{self.rejection_window_s:g} s")
+            self.registry.ban(
+                worker, f"automatic: {self.ban_after_rejections} rejected batches within {self.rejection_window_s:g} s"
+            )
         return record, True
 
     def _should_ban(self, worker: str, now: float) -> bool:
@@ -349,13 +443,19 @@ class WorkScheduler:
             return False
         since = now - self.rejection_window_s
         with self.db() as s:
-            recent = s.scalar(select(func.count()).select_from(Work).where(
-                Work.node_key == worker,
-                or_((Work.state == REJECTED) & (Work.verdict_at > since), Work.expired_at > since)))
+            recent = s.scalar(
+                select(func.count())
+                .select_from(Work)
+                .where(
+                    Work.node_key == worker,
+                    or_((Work.state == REJECTED) & (Work.verdict_at > since), Work.expired_at > since),
+                )
+            )
         return recent >= self.ban_after_rejections
 
-    def batches(self, status: BatchStatus, min_version: int | None, after: int | None, limit: int,
-                learner: bool) -> tuple[list[dict], int]:
+    def batches(
+        self, status: BatchStatus, min_version: int | None, after: int | None, limit: int, learner: bool
+    ) -> tuple[list[dict], int]:
         """Batches by status, oldest first, as the dicts of their BatchRecord (the learner) or PublicBatchRecord
         (anyone else), with the cursor for the next call. Built from Core rows without a model per batch (a poll
         of the learner's cost more in models than in SQL).
@@ -397,26 +497,56 @@ def _status(state: str, claimed_by: str | None, lease_expires: float | None, now
 
 def batch_dict(w: Any, now: float, public: bool) -> dict:
     """The fields of a Work row's BatchRecord (or, `public`, its PublicBatchRecord) as a dict ready for JSON."""
-    out = {"batch_id": w["batch_id"], "node_key": w["node_key"], "assignment_id": w["id"], "assignment_k": w["k"],
-           "version": w["version"], "num_samples": w["num_samples"], "num_tokens": w["num_tokens"],
-           "status": _status(w["state"], w["claimed_by"], w["lease_expires"], now),
-           "announced_at": w["announced_at"], "verdict_at": w["verdict_at"], "verdict_seq": w["verdict_seq"]}
+    out = {
+        "batch_id": w["batch_id"],
+        "node_key": w["node_key"],
+        "assignment_id": w["id"],
+        "assignment_k": w["k"],
+        "version": w["version"],
+        "num_samples": w["num_samples"],
+        "num_tokens": w["num_tokens"],
+        "status": _status(w["state"], w["claimed_by"], w["lease_expires"], now),
+        "announced_at": w["announced_at"],
+        "verdict_at": w["verdict_at"],
+        "verdict_seq": w["verdict_seq"],
+    }
     if not public:
-        out.update(store_path=w["store_path"], sha256=w["sha256"], claimed_by=w["claimed_by"],
-                   lease_expires_at=w["lease_expires"], validator_key=w["validator_key"],
-                   failed_checks=w["failed_checks"] or [], reason=w["reason"], rewards=w["rewards"],
-                   verified_tokens=w["verified_tokens"])
+        out.update(
+            store_path=w["store_path"],
+            sha256=w["sha256"],
+            claimed_by=w["claimed_by"],
+            lease_expires_at=w["lease_expires"],
+            validator_key=w["validator_key"],
+            failed_checks=w["failed_checks"] or [],
+            reason=w["reason"],
+            rewards=w["rewards"],
+            verified_tokens=w["verified_tokens"],
+        )
     return out
 
 
 def batch_record(w: Any, now: float) -> BatchRecord:
     """The BatchRecord of a Work row (ORM object, or a namespace of a Core row's columns)."""
     status = _status(w.state, w.claimed_by, w.lease_expires, now)
-    return BatchRecord(batch_id=w.batch_id, node_key=w.node_key, assignment_id=w.id, assignment_k=w.k,
-                       version=w.version,
-                       store_path=w.store_path, sha256=w.sha256, num_samples=w.num_samples, num_tokens=w.num_tokens,
-                       status=status, announced_at=w.announced_at, claimed_by=w.claimed_by,
-                       lease_expires_at=w.lease_expires, validator_key=w.validator_key, verdict_at=w.verdict_at,
-                       verdict_seq=w.verdict_seq, failed_checks=w.failed_checks or [], reason=w.reason,
-                       rewards=w.rewards, verified_tokens=w.verified_tokens)
-
+    return BatchRecord(
+        batch_id=w.batch_id,
+        node_key=w.node_key,
+        assignment_id=w.id,
+        assignment_k=w.k,
+        version=w.version,
+        store_path=w.store_path,
+        sha256=w.sha256,
+        num_samples=w.num_samples,
+        num_tokens=w.num_tokens,
+        status=status,
+        announced_at=w.announced_at,
+        claimed_by=w.claimed_by,
+        lease_expires_at=w.lease_expires,
+        validator_key=w.validator_key,
+        verdict_at=w.verdict_at,
+        verdict_seq=w.verdict_seq,
+        failed_checks=w.failed_checks or [],
+        reason=w.reason,
+        rewards=w.rewards,
+        verified_tokens=w.verified_tokens,
+    )

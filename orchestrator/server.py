@@ -65,12 +65,13 @@ class ConnectionBook:
 def _answer(status: str, text: str, retry_after: int | None = None) -> bytes:
     body = text.encode()
     extra = f"retry-after: {retry_after}\r\n" if retry_after is not None else ""
-    return (f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}connection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}connection: close\r\n\r\n"
+    ).encode() + body
 
 
-def _pick_victim(connections: Iterable[LimitedHttpProtocol], now: float, stall_s: float
-                 ) -> LimitedHttpProtocol | None:
+def _pick_victim(connections: Iterable[LimitedHttpProtocol], now: float, stall_s: float) -> LimitedHttpProtocol | None:
     """The connection to displace: the one idle longest, else the one whose head has been arriving longest if
     over `stall_s`; None if every one is busy with a request."""
     idle = stalled = None
@@ -117,8 +118,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._close_with(_answer("503 Service Unavailable", f"too many connections: {why}\n", retry_after=1))
             return False
         self.book.displaced += 1
-        victim._close_with(b"" if victim.phase == IDLE else _answer("408 Request Timeout",
-                                                                   "request head too slow; displaced\n"))
+        victim._close_with(
+            b"" if victim.phase == IDLE else _answer("408 Request Timeout", "request head too slow; displaced\n")
+        )
         return True
 
     def _leave_book(self) -> None:
@@ -162,12 +164,16 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._close_with(b"")
 
     def _head_too_slow(self) -> None:
-        self._close_with(_answer("408 Request Timeout", f"request head not complete within "
-                                                        f"{self.book.limits.header_timeout_s:g} s\n"))
+        self._close_with(
+            _answer(
+                "408 Request Timeout", f"request head not complete within {self.book.limits.header_timeout_s:g} s\n"
+            )
+        )
 
     def _body_too_slow(self) -> None:
-        self._close_with(_answer("408 Request Timeout", f"request body not complete within "
-                                                        f"{self.book.limits.body_timeout_s:g} s\n"))
+        self._close_with(
+            _answer("408 Request Timeout", f"request body not complete within {self.book.limits.body_timeout_s:g} s\n")
+        )
 
     def _close_with(self, answer: bytes) -> None:
         """Answer (unless a response has started) and close; the request's handler sees a disconnect."""
@@ -197,8 +203,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             counted = len(data) if end < 0 else max(0, end + 4 - len(self.tail))
             self.head_bytes += counted
             if self.head_bytes > self.book.limits.max_header_bytes:
-                self._close_with(_answer("431 Request Header Fields Too Large", "request head over "
-                                         f"{self.book.limits.max_header_bytes} bytes (orchestrator.max_header_kib)\n"))
+                self._close_with(
+                    _answer(
+                        "431 Request Header Fields Too Large",
+                        f"request head over {self.book.limits.max_header_bytes} bytes (orchestrator.max_header_kib)\n",
+                    )
+                )
                 return
             self.tail = window[-3:] if end < 0 else b""
             if end >= 0:
@@ -254,14 +264,27 @@ def serve(app, host: str, port: int, limits: Limits, log_level: str, trusted_pro
 
     files = raise_open_files_limit(limits.max_connections + 256)
     if files < limits.max_connections + 64:
-        log.warning("open files limited to %d: orchestrator.max_connections lowered from %d to %d", files,
-                    limits.max_connections, max(64, files - 64))
+        log.warning(
+            "open files limited to %d: orchestrator.max_connections lowered from %d to %d",
+            files,
+            limits.max_connections,
+            max(64, files - 64),
+        )
         limits = Limits(**{**limits.__dict__, "max_connections": max(64, files - 64)})
     protocol, _book = protocol_class(limits)
     proxies = list(trusted_proxies)
     # No X-Forwarded-For handling unless the operator names the proxies whose header is to be believed.
-    config = uvicorn.Config(app, host=host, port=port, http=protocol, log_level=log_level, access_log=False,
-                            proxy_headers=bool(proxies), forwarded_allow_ips=proxies or None,
-                            timeout_keep_alive=max(1, round(limits.keepalive_s)), timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
+        timeout_keep_alive=max(1, round(limits.keepalive_s)),
+        timeout_graceful_shutdown=10,
+    )
     bound_log_lines()  # uvicorn's handlers exist now (Config configured logging)
     uvicorn.Server(config).run()

@@ -18,8 +18,16 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 from sqlalchemy.orm import sessionmaker
 
-from bridge.protocol.messages import (Assignment, BatchAnnouncement, ClaimRequest, ClaimResponse, HeartbeatRequest,
-                                      PolicyInfo, PoolRequirements, Verdict)
+from bridge.protocol.messages import (
+    Assignment,
+    BatchAnnouncement,
+    ClaimRequest,
+    ClaimResponse,
+    HeartbeatRequest,
+    PolicyInfo,
+    PoolRequirements,
+    Verdict,
+)
 from orchestrator.auth import Authenticator, RateLimiter, start_run, stop_run
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import open_database
@@ -64,31 +72,58 @@ class Orchestrator:
         self.engine = open_database(run.database_url, autocheckpoint=False)
         self.db = sessionmaker(self.engine, expire_on_commit=False)
         self.wal = WalSync(self.engine.url.database, self.engine) if self.engine.dialect.name == "sqlite" else None
-        self.requirements = PoolRequirements(min_gpus=cfg.min_gpus, min_gpu_memory_gib=cfg.min_gpu_memory_gib,
-                                             allow_cpu_nodes=cfg.allow_cpu_nodes, challenge_size=cfg.challenge_side(),
-                                             heartbeat_interval_s=cfg.heartbeat_interval_s)
-        self.registry = NodeRegistry(self.db, self.requirements, cfg.unhealthy_after_s, cfg.dead_after_s,
-                                     cfg.challenge_timeout_s, clock, validator_keys=cfg.validator_keys)
+        self.requirements = PoolRequirements(
+            min_gpus=cfg.min_gpus,
+            min_gpu_memory_gib=cfg.min_gpu_memory_gib,
+            allow_cpu_nodes=cfg.allow_cpu_nodes,
+            challenge_size=cfg.challenge_side(),
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+        )
+        self.registry = NodeRegistry(
+            self.db,
+            self.requirements,
+            cfg.unhealthy_after_s,
+            cfg.dead_after_s,
+            cfg.challenge_timeout_s,
+            clock,
+            validator_keys=cfg.validator_keys,
+        )
         if cfg.validator_keys is None:
-            log.warning("orchestrator.validator_keys is not set: any key may register as a validator (trusted "
-                        "pools only; list the validators' public keys in an open pool)")
+            log.warning(
+                "orchestrator.validator_keys is not set: any key may register as a validator (trusted "
+                "pools only; list the validators' public keys in an open pool)"
+            )
         self.scheduler = WorkScheduler(
-            self.db, self.registry, async_level=run.async_level, prompts_per_step=run.prompts_per_step,
-            prompts_per_assignment=cfg.prompts_per_assignment, samples_per_prompt=run.samples_per_prompt,
-            max_inflight_per_node=cfg.max_inflight_per_node, num_tasks=cfg.num_tasks, claim_lease_s=cfg.claim_lease_s,
-            ban_after_rejections=cfg.ban_after_rejections, rejection_window_s=cfg.rejection_window_s,
-            default_relays=list(run.relays), clock=clock, deadline_s=cfg.deadline_s(run.max_tokens),
-            unproven_share=cfg.unproven_share)
+            self.db,
+            self.registry,
+            async_level=run.async_level,
+            prompts_per_step=run.prompts_per_step,
+            prompts_per_assignment=cfg.prompts_per_assignment,
+            samples_per_prompt=run.samples_per_prompt,
+            max_inflight_per_node=cfg.max_inflight_per_node,
+            num_tasks=cfg.num_tasks,
+            claim_lease_s=cfg.claim_lease_s,
+            ban_after_rejections=cfg.ban_after_rejections,
+            rejection_window_s=cfg.rejection_window_s,
+            default_relays=list(run.relays),
+            clock=clock,
+            deadline_s=cfg.deadline_s(run.max_tokens),
+            unproven_share=cfg.unproven_share,
+        )
         self.auth = Authenticator(cfg.max_clock_skew_s, cfg.admin_token, clock)
         self.run_id, self.auth.refuse_up_to = start_run(self.db, self.auth.nonces, clock(), cfg.max_clock_skew_s)
         if self.wal is not None:  # the start is on disk before any request: a crash from now on is seen as one
             self.wal._fsync()
         if self.auth.refuse_up_to:
-            log.warning("the last run of this database did not stop cleanly: signed requests stamped before %.3f "
-                        "(start + max_clock_skew_s) are answered 503, as they may be replays", self.auth.refuse_up_to)
+            log.warning(
+                "the last run of this database did not stop cleanly: signed requests stamped before %.3f "
+                "(start + max_clock_skew_s) are answered 503, as they may be replays",
+                self.auth.refuse_up_to,
+            )
         self.limiter = RateLimiter(cfg.submit_rate_per_min, cfg.submit_burst, clock)
-        self.register_limiter = RateLimiter(cfg.register_rate_per_min, cfg.register_burst, clock,
-                                            what="registrations from one address")
+        self.register_limiter = RateLimiter(
+            cfg.register_rate_per_min, cfg.register_burst, clock, what="registrations from one address"
+        )
         self.pages = PageCache(cfg.public_cache_s)
         self.page_size = cfg.page_size
         self.metrics = Metrics(self)
@@ -104,8 +139,19 @@ class Orchestrator:
         policy = self.scheduler.policy
         if self._policy_json[0] is not policy:
             self._policy_json = (policy, policy.model_dump_json().encode())
-        return b"".join((b'{"state":"', state.encode(), b'","policy":', self._policy_json[1], b',"assignments":',
-                         _ASSIGNMENTS.dump_json(work), b',"heartbeat_interval_s":', self._interval_json, b"}"))
+        return b"".join(
+            (
+                b'{"state":"',
+                state.encode(),
+                b'","policy":',
+                self._policy_json[1],
+                b',"assignments":',
+                _ASSIGNMENTS.dump_json(work),
+                b',"heartbeat_interval_s":',
+                self._interval_json,
+                b"}",
+            )
+        )
 
     def sweep(self, flush: bool = False) -> None:
         """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
@@ -113,8 +159,12 @@ class Orchestrator:
         for key in self.registry.sweep(flush):
             log.warning("node %s... is dead; its open assignments are released", key[:16])
         for key, wid in self.scheduler.expire():
-            log.warning("assignment %d of node %s... expired (%g s deadline): handed out again, a strike against "
-                        "the node", wid, key[:16], self.scheduler.deadline_s)
+            log.warning(
+                "assignment %d of node %s... expired (%g s deadline): handed out again, a strike against the node",
+                wid,
+                key[:16],
+                self.scheduler.deadline_s,
+            )
         self.auth.nonces.prune(self.clock())
         if self.clock() - self._pruned >= 60:
             self.limiter.prune()

@@ -21,13 +21,29 @@ __all__ = ["OrchestratorProcess", "free_port"]
 class OrchestratorProcess:
     """`intellect orchestrator [config] --orchestrator.port PORT [overrides]`, its output in `log_path`."""
 
-    def __init__(self, log_path: str | Path, config: str | Path | None = None, overrides: Sequence[str] = (),
-                 host: str = "127.0.0.1", port: int | None = None):
+    def __init__(
+        self,
+        log_path: str | Path,
+        config: str | Path | None = None,
+        overrides: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        port: int | None = None,
+    ):
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{self.host}:{self.port}"
         self.log_path = Path(log_path)
-        self.argv = [sys.executable, "-m", "intellect", "orchestrator", *([str(config)] if config else []),
-                     "--orchestrator.host", host, "--orchestrator.port", str(self.port), *overrides]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "intellect",
+            "orchestrator",
+            *([str(config)] if config else []),
+            "--orchestrator.host",
+            host,
+            "--orchestrator.port",
+            str(self.port),
+            *overrides,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60.0) -> OrchestratorProcess:

@@ -12,8 +12,9 @@ import numpy as np
 def challenge_matrices(seed: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     """Two `size` x `size` int64 matrices with entries in [0, 2**16), from numpy's PCG64 stream of `seed`."""
     rng = np.random.Generator(np.random.PCG64(seed))
-    return rng.integers(0, 1 << 16, (size, size), dtype=np.int64), rng.integers(0, 1 << 16, (size, size),
-                                                                                   dtype=np.int64)
+    return rng.integers(0, 1 << 16, (size, size), dtype=np.int64), rng.integers(
+        0, 1 << 16, (size, size), dtype=np.int64
+    )
 
 
 def solve_challenge(seed: int, size: int) -> str:

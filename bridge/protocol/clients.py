@@ -17,10 +17,29 @@ from typing import Any, Literal, TypeVar
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ValidationError
 
-from bridge.protocol.messages import (BanRequest, BatchAnnouncement, BatchList, BatchRecord, BatchStatus, ClaimRequest,
-                                      ClaimResponse, HardwareReport, Health, HeartbeatRequest, HeartbeatResponse,
-                                      Ledger, NodeInfo, NodeList, PolicyAnnouncement, PolicyInfo, PublicBatchList,
-                                      RegisterRequest, RegisterResponse, Role, Verdict)
+from bridge.protocol.messages import (
+    BanRequest,
+    BatchAnnouncement,
+    BatchList,
+    BatchRecord,
+    BatchStatus,
+    ClaimRequest,
+    ClaimResponse,
+    HardwareReport,
+    Health,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    Ledger,
+    NodeInfo,
+    NodeList,
+    PolicyAnnouncement,
+    PolicyInfo,
+    PublicBatchList,
+    RegisterRequest,
+    RegisterResponse,
+    Role,
+    Verdict,
+)
 from bridge.protocol.signing import public_key_hex, sign_request
 
 
@@ -80,8 +99,9 @@ class _Routes:
         body = RegisterRequest(role=role, hardware=hardware, challenge_answer=challenge_answer)
         return self._call(_Call("POST", "/v1/nodes/register", RegisterResponse, body, auth="node"))
 
-    def heartbeat(self, loaded_versions: Iterable[int] = (), metrics: Mapping[str, float] | None = None
-                  ) -> HeartbeatResponse:
+    def heartbeat(
+        self, loaded_versions: Iterable[int] = (), metrics: Mapping[str, float] | None = None
+    ) -> HeartbeatResponse:
         body = HeartbeatRequest(loaded_versions=list(loaded_versions), metrics=dict(metrics or {}))
         return self._call(_Call("POST", "/v1/nodes/heartbeat", HeartbeatResponse, body, auth="node"))
 
@@ -93,26 +113,39 @@ class _Routes:
         return self._call(_Call("POST", "/v1/batches", BatchRecord, announcement, auth="node"))
 
     def claim(self, lease_s: float | None = None) -> ClaimResponse:
-        return self._call(_Call("POST", "/v1/validation/claim", ClaimResponse, ClaimRequest(lease_s=lease_s),
-                                auth="node"))
+        return self._call(
+            _Call("POST", "/v1/validation/claim", ClaimResponse, ClaimRequest(lease_s=lease_s), auth="node")
+        )
 
     def verdict(self, batch_id: str, verdict: Verdict) -> BatchRecord:
         return self._call(_Call("POST", f"/v1/batches/{batch_id}/verdict", BatchRecord, verdict, auth="node"))
 
-    def batches(self, status: BatchStatus = "accepted", min_version: int | None = None, after: int | None = None,
-                limit: int | None = None) -> BatchList | PublicBatchList:
+    def batches(
+        self,
+        status: BatchStatus = "accepted",
+        min_version: int | None = None,
+        after: int | None = None,
+        limit: int | None = None,
+    ) -> BatchList | PublicBatchList:
         """Batches by status. Called with the admin token (the learner), accepted batches returned are counted
         as delivered to the learner, which frees room in the async window for new assignments; without it, only
         the public fields (PublicBatchList)."""
         params = {"status": status, "min_version": min_version, "after": after, "limit": limit}
         reply = BatchList if getattr(self, "admin_token", None) else PublicBatchList
-        return self._call(_Call("GET", "/v1/batches", reply, params={k: v for k, v in params.items()
-                                                                       if v is not None}, auth="admin"))
+        return self._call(
+            _Call("GET", "/v1/batches", reply, params={k: v for k, v in params.items() if v is not None}, auth="admin")
+        )
 
-    def announce_policy(self, version: int, learner_step: int | None = None, relays: list[str] | None = None,
-                        manifest_sha256: str | None = None) -> PolicyInfo:
-        body = PolicyAnnouncement(version=version, learner_step=learner_step, relays=relays,
-                                  manifest_sha256=manifest_sha256)
+    def announce_policy(
+        self,
+        version: int,
+        learner_step: int | None = None,
+        relays: list[str] | None = None,
+        manifest_sha256: str | None = None,
+    ) -> PolicyInfo:
+        body = PolicyAnnouncement(
+            version=version, learner_step=learner_step, relays=relays, manifest_sha256=manifest_sha256
+        )
         return self._call(_Call("POST", "/v1/policy", PolicyInfo, body, auth="admin"))
 
     def nodes(self, after: str | None = None, limit: int | None = None) -> NodeList:
@@ -121,8 +154,7 @@ class _Routes:
         return self._call(_Call("GET", "/v1/nodes", NodeList, params=params, auth="admin"))
 
     def ban(self, node_key: str, reason: str = "banned by an operator") -> NodeInfo:
-        return self._call(_Call("POST", f"/v1/nodes/{node_key}/ban", NodeInfo, BanRequest(reason=reason),
-                                auth="admin"))
+        return self._call(_Call("POST", f"/v1/nodes/{node_key}/ban", NodeInfo, BanRequest(reason=reason), auth="admin"))
 
     def ledger(self, after: str | None = None, limit: int | None = None) -> Ledger:
         """A page of the ledger in node-key order (the service's default page without `limit`); see
@@ -137,8 +169,15 @@ class _Routes:
 
 
 class _Base(_Routes):
-    def __init__(self, base_url: str, key: Ed25519PrivateKey | None, admin_token: str | None,
-                 retry: RetryPolicy, seed: int | None, clock: Callable[[], float]):
+    def __init__(
+        self,
+        base_url: str,
+        key: Ed25519PrivateKey | None,
+        admin_token: str | None,
+        retry: RetryPolicy,
+        seed: int | None,
+        clock: Callable[[], float],
+    ):
         self.base_url = base_url.rstrip("/")
         self.clock = clock
         self.key = key
@@ -158,8 +197,7 @@ class _Base(_Routes):
         if call.auth == "node":
             if self.key is None:
                 raise ValueError(f"{call.method} {call.path} is signed by a node: give the client a key")
-            headers.update(sign_request(self.key, call.method, target, content,
-                                        timestamp_ms=int(self.clock() * 1000)))
+            headers.update(sign_request(self.key, call.method, target, content, timestamp_ms=int(self.clock() * 1000)))
         return target, content, headers
 
     def _outcome(self, call: _Call, status: int, headers: Mapping[str, str], body: bytes) -> tuple[bool, Any]:
@@ -180,12 +218,17 @@ class _Base(_Routes):
         try:
             return True, call.reply.model_validate_json(body)
         except ValidationError as exc:
-            raise OrchestratorError(status, f"reply does not match {call.reply.__name__}: {exc}", call.method,
-                                    call.path) from exc
+            raise OrchestratorError(
+                status, f"reply does not match {call.reply.__name__}: {exc}", call.method, call.path
+            ) from exc
 
     def _give_up(self, call: _Call, last: str) -> OrchestratorError:
-        return OrchestratorError(0, f"no answer from {self.base_url} after {self.retry.attempts} attempts "
-                                    f"(last: {last})", call.method, call.path)
+        return OrchestratorError(
+            0,
+            f"no answer from {self.base_url} after {self.retry.attempts} attempts (last: {last})",
+            call.method,
+            call.path,
+        )
 
 
 class OrchestratorClient(_Base):
@@ -196,10 +239,18 @@ class OrchestratorClient(_Base):
     retries, and `http` an httpx.Client to use instead of a new one (tests).
     """
 
-    def __init__(self, base_url: str, key: Ed25519PrivateKey | None = None, admin_token: str | None = None,
-                 timeout_s: float = 30.0, retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
-                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 http: Any = None):
+    def __init__(
+        self,
+        base_url: str,
+        key: Ed25519PrivateKey | None = None,
+        admin_token: str | None = None,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy = RetryPolicy(),
+        seed: int | None = None,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+        http: Any = None,
+    ):
         import httpx
 
         super().__init__(base_url, key, admin_token, retry, seed, clock)
@@ -226,8 +277,9 @@ class OrchestratorClient(_Base):
                 self._sleep(self.retry.delay(attempt, self._rng, retry_after))
         raise self._give_up(call, last)
 
-    def all_batches(self, status: BatchStatus = "accepted", min_version: int | None = None, after: int = 0,
-                    page: int = 1000) -> tuple[list[BatchRecord], int]:
+    def all_batches(
+        self, status: BatchStatus = "accepted", min_version: int | None = None, after: int = 0, page: int = 1000
+    ) -> tuple[list[BatchRecord], int]:
         """Every batch with `status` judged after the cursor `after`, fetched page by page: (records, the
         cursor for the next call). The learner's listing (with the admin token, which marks them delivered)."""
         records: list[BatchRecord] = []
@@ -253,9 +305,17 @@ class AsyncOrchestratorClient(_Base):
     """The same methods as `OrchestratorClient`, awaited (aiohttp, which keeps up with thousands of concurrent
     requests in one process). `session` lets many clients share one aiohttp.ClientSession."""
 
-    def __init__(self, base_url: str, key: Ed25519PrivateKey | None = None, admin_token: str | None = None,
-                 timeout_s: float = 30.0, retry: RetryPolicy = RetryPolicy(), seed: int | None = None,
-                 clock: Callable[[], float] = time.time, session: Any = None):
+    def __init__(
+        self,
+        base_url: str,
+        key: Ed25519PrivateKey | None = None,
+        admin_token: str | None = None,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy = RetryPolicy(),
+        seed: int | None = None,
+        clock: Callable[[], float] = time.time,
+        session: Any = None,
+    ):
         import aiohttp
 
         super().__init__(base_url, key, admin_token, retry, seed, clock)
@@ -276,8 +336,9 @@ class AsyncOrchestratorClient(_Base):
             target, content, headers = self._encode(call)
             url = yarl.URL(self.base_url + target, encoded=True)  # sent exactly as signed
             try:
-                async with self._session.request(call.method, url, data=content, headers=headers,
-                                                 timeout=self._timeout) as response:
+                async with self._session.request(
+                    call.method, url, data=content, headers=headers, timeout=self._timeout
+                ) as response:
                     status, reply_headers, body = response.status, response.headers, await response.read()
             except self._network_errors as exc:
                 last = f"{type(exc).__name__}: {exc}"

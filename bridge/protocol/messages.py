@@ -25,8 +25,9 @@ Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="64 lowercas
 NodeKey = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="ed25519 public key, 64 lowercase hex")]
 # The one definition of a batch id (the orchestrator's routes, the fast lane and the rollout store use it).
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-BatchId = Annotated[str, Field(pattern=BATCH_ID_PATTERN,
-                               description="batch id: letters, digits, '.', '_', '-'; at most 128")]
+BatchId = Annotated[
+    str, Field(pattern=BATCH_ID_PATTERN, description="batch id: letters, digits, '.', '_', '-'; at most 128")
+]
 Text = Annotated[str, Field(max_length=1000, pattern=r"^[^\x00]*$")]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00]*$")]
 Url = Annotated[str, Field(min_length=1, max_length=1000, pattern=r"^https?://[^\s\x00]+$")]
@@ -51,6 +52,7 @@ class Reply(BaseModel):
 
 # ---------------------------------------------------------------------------------------------------------
 # Messages.
+
 
 class GpuInfo(Request):
     name: Name
@@ -83,8 +85,11 @@ class PoolRequirements(Reply):
 
     def failures(self, hw: HardwareReport) -> list[str]:
         if not hw.gpus:
-            return [] if self.allow_cpu_nodes else [
-                f"no GPU reported; this pool needs {self.min_gpus} GPU(s) and does not admit CPU-only nodes"]
+            return (
+                []
+                if self.allow_cpu_nodes
+                else [f"no GPU reported; this pool needs {self.min_gpus} GPU(s) and does not admit CPU-only nodes"]
+            )
         problems = []
         if len(hw.gpus) < self.min_gpus:
             problems.append(f"{len(hw.gpus)} GPU(s) reported, the pool needs at least {self.min_gpus}")
@@ -111,8 +116,11 @@ class PolicyInfo(Reply):
     min_version: int = Field(description="oldest version still inside the async window")
     relays: list[str]
     announced_at: float | None
-    manifests: dict[int, str] = Field(default={}, description="sha256 of each window version's manifest.json, as "
-                                      "the learner announced it: SHARDCAST clients accept no other manifest")
+    manifests: dict[int, str] = Field(
+        default={},
+        description="sha256 of each window version's manifest.json, as "
+        "the learner announced it: SHARDCAST clients accept no other manifest",
+    )
 
 
 class RegisterRequest(Request):
@@ -131,10 +139,12 @@ class RegisterResponse(Reply):
 
 
 class HeartbeatRequest(Request):
-    loaded_versions: list[Version] = Field(default=[], max_length=64,
-                                           description="policy versions whose weights the node holds")
+    loaded_versions: list[Version] = Field(
+        default=[], max_length=64, description="policy versions whose weights the node holds"
+    )
     metrics: dict[Annotated[str, Field(max_length=64, pattern=r"^[^\x00]*$")], Finite] = Field(
-        default={}, max_length=64, description="free-form numbers shown to the operator")
+        default={}, max_length=64, description="free-form numbers shown to the operator"
+    )
 
 
 class Assignment(Reply):
@@ -153,8 +163,11 @@ class Assignment(Reply):
     task_ids: list[int] | None
     sample_seeds: list[int] = Field(description="one per sample, prompt-major")
     issued_at: float
-    expires_at: float | None = Field(None, description="announce the batch before this (unix seconds), or the "
-                                                       "assignment expires and counts against the node")
+    expires_at: float | None = Field(
+        None,
+        description="announce the batch before this (unix seconds), or the "
+        "assignment expires and counts against the node",
+    )
 
 
 class HeartbeatResponse(Reply):
@@ -170,8 +183,9 @@ class BatchAnnouncement(Request):
     batch_id: BatchId
     assignment_id: int = Field(ge=0, le=MAX_INT)
     version: Version
-    store_path: str = Field(min_length=1, max_length=2048, pattern=r"^[^\x00]*$",
-                            description="<store>/v{version:06d}/{batch_id}")
+    store_path: str = Field(
+        min_length=1, max_length=2048, pattern=r"^[^\x00]*$", description="<store>/v{version:06d}/{batch_id}"
+    )
     sha256: Hex64 = Field(description="the batch's COMMIT hash")
     num_samples: int = Field(ge=1, le=1 << 24)
     num_tokens: int = Field(ge=0, le=1 << 40)
@@ -228,15 +242,21 @@ class PublicBatchList(Reply):
 
 
 class ClaimRequest(Request):
-    lease_s: float | None = Field(None, gt=0, le=86400, allow_inf_nan=False,
-                                  description="lease length (default: the service's orchestrator.claim_lease_s)")
+    lease_s: float | None = Field(
+        None,
+        gt=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="lease length (default: the service's orchestrator.claim_lease_s)",
+    )
 
 
 class ClaimResponse(Reply):
     batch: BatchRecord | None
     lease_expires_at: float | None
-    manifest_sha256: str | None = Field(None, description="sha256 of the manifest of the batch's policy version, "
-                                        "when the learner announced one")
+    manifest_sha256: str | None = Field(
+        None, description="sha256 of the manifest of the batch's policy version, when the learner announced one"
+    )
 
 
 CheckName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")]
@@ -246,11 +266,13 @@ class Verdict(Request):
     """A validator's judgement of a batch it has claimed."""
 
     accepted: bool
-    failed_checks: list[CheckName] = Field(default=[], max_length=64,
-                                           description="names of the checks that failed (toploc, sampling, ...)")
+    failed_checks: list[CheckName] = Field(
+        default=[], max_length=64, description="names of the checks that failed (toploc, sampling, ...)"
+    )
     reason: Text = ""
-    rewards: list[Finite] = Field(default=[], max_length=1 << 24,
-                                  description="recomputed reward of every sample (required when accepted)")
+    rewards: list[Finite] = Field(
+        default=[], max_length=1 << 24, description="recomputed reward of every sample (required when accepted)"
+    )
     num_tokens: int = Field(ge=0, le=1 << 40, description="tokens in the batch as the validator counted them")
 
     @model_validator(mode="after")
@@ -268,8 +290,11 @@ class PolicyAnnouncement(Request):
     version: Version
     learner_step: int | None = Field(None, ge=0, le=2**31 - 1, description="default: version")
     relays: list[Url] | None = Field(None, max_length=64, description="replaces the relay list when given")
-    manifest_sha256: Hex64 | None = Field(None, description="sha256 of the version's manifest.json; workers, "
-                                          "validators and relays accept no other manifest for the version")
+    manifest_sha256: Hex64 | None = Field(
+        None,
+        description="sha256 of the version's manifest.json; workers, "
+        "validators and relays accept no other manifest for the version",
+    )
 
 
 class NodeInfo(Reply):

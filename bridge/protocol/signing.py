@@ -37,8 +37,7 @@ def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
             raise ValueError(f"{path}: not an ed25519 private key ({type(key).__name__})")
         return key
     key = Ed25519PrivateKey.generate()
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
@@ -55,14 +54,24 @@ def signing_string(method: str, target: str, timestamp_ms: int | str, nonce: str
     return f"{method.upper()}\n{target}\n{timestamp_ms}\n{nonce}\n{hashlib.sha256(body).hexdigest()}".encode()
 
 
-def sign_request(key: Ed25519PrivateKey, method: str, target: str, body: bytes,
-                 timestamp_ms: int | None = None, nonce: str | None = None) -> dict[str, str]:
+def sign_request(
+    key: Ed25519PrivateKey,
+    method: str,
+    target: str,
+    body: bytes,
+    timestamp_ms: int | None = None,
+    nonce: str | None = None,
+) -> dict[str, str]:
     """The four signature headers for one request."""
     timestamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     nonce = secrets.token_hex(16) if nonce is None else nonce
     signature = key.sign(signing_string(method, target, timestamp_ms, nonce, body))
-    return {HEADER_KEY: public_key_hex(key), HEADER_TIMESTAMP: str(timestamp_ms), HEADER_NONCE: nonce,
-            HEADER_SIGNATURE: signature.hex()}
+    return {
+        HEADER_KEY: public_key_hex(key),
+        HEADER_TIMESTAMP: str(timestamp_ms),
+        HEADER_NONCE: nonce,
+        HEADER_SIGNATURE: signature.hex(),
+    }
 
 
 _P25519 = 2**255 - 19
@@ -94,8 +103,9 @@ def _public_key(node_key: str) -> Ed25519PublicKey:
     return Ed25519PublicKey.from_public_bytes(bytes.fromhex(node_key))
 
 
-def verify_signature(node_key: str, signature_hex: str, method: str, target: str, timestamp_ms: str,
-                     nonce: str, body: bytes) -> bool:
+def verify_signature(
+    node_key: str, signature_hex: str, method: str, target: str, timestamp_ms: str, nonce: str, body: bytes
+) -> bool:
     """True if `signature_hex` is `node_key`'s signature of the request; False for any malformed input and for a
     weak key (`weak_public_key`)."""
     try:

@@ -13,5 +13,14 @@ from bridge.shardcast.download import FetchResult
 from bridge.shardcast.errors import FetchError, ManifestError, ShardcastError, TransferError, WaitTimeout
 from bridge.shardcast.manifest import Manifest, parse_manifest
 
-__all__ = ["FetchError", "FetchResult", "Manifest", "ManifestError", "ShardcastClient", "ShardcastError",
-           "TransferError", "WaitTimeout", "parse_manifest"]
+__all__ = [
+    "FetchError",
+    "FetchResult",
+    "Manifest",
+    "ManifestError",
+    "ShardcastClient",
+    "ShardcastError",
+    "TransferError",
+    "WaitTimeout",
+    "parse_manifest",
+]

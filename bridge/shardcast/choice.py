@@ -33,14 +33,20 @@ class ServerChoice:
                 if server is not None:
                     return server
             if self._distrusted >= set(self.pool.servers):
-                raise FetchError(f"version {self.version}: every server sent bytes that failed the sha256 check "
-                                 f"({', '.join(sorted(map(str, self._distrusted)))})")
+                raise FetchError(
+                    f"version {self.version}: every server sent bytes that failed the sha256 check "
+                    f"({', '.join(sorted(map(str, self._distrusted)))})"
+                )
             if stalled > self.patience:
                 with self._lock:
-                    errors = "; ".join(self._last_error.get(s, f"{s}: no answer")
-                                       for s in sorted(set(self._last_error) | self.candidates, key=str))
-                raise FetchError(f"version {self.version}, {f.entry.name}: nothing received for "
-                                 f"{self.patience:.0f} s; last errors: {errors or 'no server offers it'}")
+                    errors = "; ".join(
+                        self._last_error.get(s, f"{s}: no answer")
+                        for s in sorted(set(self._last_error) | self.candidates, key=str)
+                    )
+                raise FetchError(
+                    f"version {self.version}, {f.entry.name}: nothing received for "
+                    f"{self.patience:.0f} s; last errors: {errors or 'no server offers it'}"
+                )
             time.sleep(tried.backoff)
             tried.backoff = min(2 * tried.backoff, 2.0)
             tried.failed.clear()
@@ -60,5 +66,7 @@ class ServerChoice:
 
     def _server_summary(self) -> dict[str, dict]:
         servers = set(self._bytes) | set(self._errors) | self._distrusted
-        return {str(s): {"bytes": self._bytes[s], "errors": self._errors[s], "distrusted": s in self._distrusted}
-                for s in sorted(servers, key=str)}
+        return {
+            str(s): {"bytes": self._bytes[s], "errors": self._errors[s], "distrusted": s in self._distrusted}
+            for s in sorted(servers, key=str)
+        }

@@ -37,7 +37,12 @@ from bridge.shardcast.download import Download, FetchResult
 from bridge.shardcast.errors import FetchError, ShardcastError, TransferError, WaitTimeout
 from bridge.shardcast.manifest import DEFAULT_MAX_VERSION_BYTES, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from bridge.shardcast.names import (
-    MANIFEST_FILE, STABLE_FILE, ServerURL, check_version, parse_server_list, version_dirname,
+    MANIFEST_FILE,
+    STABLE_FILE,
+    ServerURL,
+    check_version,
+    parse_server_list,
+    version_dirname,
 )
 from bridge.shardcast.pool import ServerPool
 from bridge.shardcast.transfer import HAVE_SPLICE, get_bytes, get_json
@@ -52,7 +57,7 @@ LATE_S = 1.0
 def parse_listing(doc: object, server: ServerURL) -> list[int]:
     """The `versions` of a `/versions` answer, validated."""
     if not isinstance(doc, dict) or not isinstance(doc.get("versions"), list) or len(doc["versions"]) > 100_000:
-        raise TransferError(server, "/versions: expected {\"latest\": ..., \"versions\": [...]}")
+        raise TransferError(server, '/versions: expected {"latest": ..., "versions": [...]}')
     try:
         versions = sorted(check_version(v, f"{server}/versions") for v in doc["versions"])
     except ShardcastError as e:
@@ -63,11 +68,23 @@ def parse_listing(doc: object, server: ServerURL) -> list[int]:
 
 
 class ShardcastClient:
-    def __init__(self, servers: str | Iterable[str], *, timeout: float = 30.0, patience: float = 300.0,
-                 parallel: int = 0, part_bytes: int = 64 << 20, max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
-                 fsync: bool = True, use_splice: bool = HAVE_SPLICE, pool: ServerPool | None = None,
-                 direct_io: bool = True, buffer_bytes: int = 32 << 20, use_deltas: bool = True,
-                 mirror_deltas: bool = False):
+    def __init__(
+        self,
+        servers: str | Iterable[str],
+        *,
+        timeout: float = 30.0,
+        patience: float = 300.0,
+        parallel: int = 0,
+        part_bytes: int = 64 << 20,
+        max_version_bytes: int = DEFAULT_MAX_VERSION_BYTES,
+        fsync: bool = True,
+        use_splice: bool = HAVE_SPLICE,
+        pool: ServerPool | None = None,
+        direct_io: bool = True,
+        buffer_bytes: int = 32 << 20,
+        use_deltas: bool = True,
+        mirror_deltas: bool = False,
+    ):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
         concurrent downloads, 0 for one per CPU up to 4 (receiving and hashing are CPU work: more streams than
@@ -163,8 +180,9 @@ class ShardcastClient:
                     stop.wait(min(backoff, max(0.0, deadline - time.monotonic())))
                     backoff = min(2 * backoff, 2.0)
 
-        threads = [threading.Thread(target=poll, args=(s,), daemon=True, name=f"shardcast-poll-{s}")
-                   for s in self.servers]
+        threads = [
+            threading.Thread(target=poll, args=(s,), daemon=True, name=f"shardcast-poll-{s}") for s in self.servers
+        ]
         for t in threads:
             t.start()
         try:
@@ -183,9 +201,15 @@ class ShardcastClient:
 
     # ---- fetching -------------------------------------------------------------------------------------
 
-    def fetch(self, version: int | str, out_root: str | Path, *, wait: float = 0.0,
-              manifest_sha256: str | None = None,
-              on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
+    def fetch(
+        self,
+        version: int | str,
+        out_root: str | Path,
+        *,
+        wait: float = 0.0,
+        manifest_sha256: str | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> FetchResult:
         """Fetch `version` ("latest" or an int) into `out_root/v{version:06d}/` and return what happened.
 
         `wait`: seconds to wait for the version to be offered (0: fail at once if no server has it).
@@ -205,19 +229,42 @@ class ShardcastClient:
         holders, version = self._locate(version, wait)
         manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
-        log.info("fetching %s (%d files, %.1f MiB) from %s", version_dirname(version), len(manifest.files),
-                 manifest.total_size / 2**20, ", ".join(map(str, sources)))
+        log.info(
+            "fetching %s (%d files, %.1f MiB) from %s",
+            version_dirname(version),
+            len(manifest.files),
+            manifest.total_size / 2**20,
+            ", ".join(map(str, sources)),
+        )
         download = Download(
-            manifest=manifest, root=out_root, pool=self.pool, candidates=set(sources),
+            manifest=manifest,
+            root=out_root,
+            pool=self.pool,
+            candidates=set(sources),
             refresh=lambda: {s for s, vs in self.versions().items() if version in vs} - impostors,
-            timeout=self.timeout, patience=self.patience, parallel=self.parallel, part_bytes=self.part_bytes,
-            fsync=self.fsync, use_splice=self.use_splice, buffers=self.buffers, on_progress=on_progress,
-            replace_held=manifest_sha256 is not None, use_deltas=self.use_deltas, mirror_deltas=self.mirror_deltas)
+            timeout=self.timeout,
+            patience=self.patience,
+            parallel=self.parallel,
+            part_bytes=self.part_bytes,
+            fsync=self.fsync,
+            use_splice=self.use_splice,
+            buffers=self.buffers,
+            on_progress=on_progress,
+            replace_held=manifest_sha256 is not None,
+            use_deltas=self.use_deltas,
+            mirror_deltas=self.mirror_deltas,
+        )
         result = download.run()
         if not result.already_present:
-            log.info("fetched %s: %.1f MiB in %.2f s (%.0f MB/s; %d of %d files rebuilt from deltas)",
-                     version_dirname(version), result.received_bytes / 2**20, result.seconds, result.mb_per_s,
-                     result.rebuilt_files, len(manifest.files))
+            log.info(
+                "fetched %s: %.1f MiB in %.2f s (%.0f MB/s; %d of %d files rebuilt from deltas)",
+                version_dirname(version),
+                result.received_bytes / 2**20,
+                result.seconds,
+                result.mb_per_s,
+                result.rebuilt_files,
+                len(manifest.files),
+            )
         return result
 
     def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int]:
@@ -237,8 +284,11 @@ class ShardcastClient:
                 offered = {str(s): vs for s, vs in listings.items()}
                 errors = "; ".join(self.last_errors.values())
                 what = "any version" if version == "latest" else f"version {version}"
-                raise FetchError(f"no server offers {what} (offered: {offered or 'nothing'}"
-                                 + (f"; errors: {errors}" if errors else "") + ")")
+                raise FetchError(
+                    f"no server offers {what} (offered: {offered or 'nothing'}"
+                    + (f"; errors: {errors}" if errors else "")
+                    + ")"
+                )
             newest = max((vs[-1] for vs in listings.values() if vs), default=None)
             after = None if version == "latest" or version == 0 else version - 1
             if after is not None and newest is not None and newest >= version:
@@ -249,8 +299,7 @@ class ShardcastClient:
             except WaitTimeout:
                 pass
 
-    def _manifest(self, version: int, holders: list[ServerURL], pin: str | None
-                  ) -> tuple[Manifest, set[ServerURL]]:
+    def _manifest(self, version: int, holders: list[ServerURL], pin: str | None) -> tuple[Manifest, set[ServerURL]]:
         """The version's manifest from the first holder (in pool order) that serves a valid one (the pinned
         one, given `pin`), and the holders that offered another manifest (impostors: no bytes are taken
         from them for this version)."""
@@ -272,8 +321,13 @@ class ShardcastClient:
                 self.pool.distrust(server)
                 impostors.add(server)
                 errors.append(f"{server}{path}: sha256 {manifest.sha256} is not the expected {pin}")
-                log.warning("%s offers another manifest for %s (sha256 %s, pinned %s): distrusted",
-                            server, version_dirname(version), manifest.sha256[:12], pin[:12])
+                log.warning(
+                    "%s offers another manifest for %s (sha256 %s, pinned %s): distrusted",
+                    server,
+                    version_dirname(version),
+                    manifest.sha256[:12],
+                    pin[:12],
+                )
                 continue
             return manifest, impostors
         raise FetchError(f"no valid manifest for version {version}: " + "; ".join(errors))

@@ -112,8 +112,9 @@ def encode_delta(base: Path, target: Path, out: Path, level: int = LEVEL, thread
         return sink.size, sink.digest.hexdigest()
 
 
-def apply_delta(base: Path, delta: Path, out_fd: int, size: int,
-                on_written: Callable[[int, int], None] | None = None) -> str:
+def apply_delta(
+    base: Path, delta: Path, out_fd: int, size: int, on_written: Callable[[int, int], None] | None = None
+) -> str:
     """Write base XOR unzstd(delta) (`size` bytes) to `out_fd` from offset 0, streaming; returns its sha256.
     `on_written(offset, length)` after each block is written (to start its writeback). DeltaError when the
     delta is broken, or it or the base is not `size` bytes long."""
@@ -188,8 +189,14 @@ def _base_files(base_dir: Path) -> dict[str, dict]:
         return {}
 
 
-def write_deltas(version_dir: Path, files: Iterable[dict], bases: Iterable[tuple[int, Path]], *,
-                 level: int = LEVEL, max_ratio: float = MAX_RATIO) -> list[dict]:
+def write_deltas(
+    version_dir: Path,
+    files: Iterable[dict],
+    bases: Iterable[tuple[int, Path]],
+    *,
+    level: int = LEVEL,
+    max_ratio: float = MAX_RATIO,
+) -> list[dict]:
     """Write the delta files of `version_dir`'s `files` (manifest entries: name, size, sha256) against each base
     (version, its complete directory); returns the manifest's `deltas` entries. Files without a compatible
     counterpart in a base, and deltas over `max_ratio` of their file, are left out."""
@@ -210,6 +217,15 @@ def write_deltas(version_dir: Path, files: Iterable[dict], bases: Iterable[tuple
             if dsize > max_ratio * size:
                 out.unlink()
                 continue
-            entries.append({"name": out.name, "file": name, "base": base, "base_sha256": old["sha256"],
-                            "encoding": ENCODING, "size": dsize, "sha256": dsha})
+            entries.append(
+                {
+                    "name": out.name,
+                    "file": name,
+                    "base": base,
+                    "base_sha256": old["sha256"],
+                    "encoding": ENCODING,
+                    "size": dsize,
+                    "sha256": dsha,
+                }
+            )
     return entries

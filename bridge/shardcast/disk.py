@@ -44,8 +44,10 @@ def held_version(path: Path, version: int, expected_sha256: str | None = None) -
     except ManifestError as e:
         raise FetchError(f"{path}: has {STABLE_FILE} but is not a complete version ({e}); remove it") from e
     if expected_sha256 is not None and held.sha256 != expected_sha256:
-        raise FetchError(f"{path}: holds a different version {version} (manifest sha256 {held.sha256[:12]}, "
-                         f"expected {expected_sha256[:12]}); remove it")
+        raise FetchError(
+            f"{path}: holds a different version {version} (manifest sha256 {held.sha256[:12]}, "
+            f"expected {expected_sha256[:12]}); remove it"
+        )
     return held
 
 

@@ -74,32 +74,45 @@ class FetchResult:
         return self.received_bytes / max(self.seconds, 1e-9) / 1e6
 
     def to_json(self) -> dict:
-        return {"version": self.version, "path": str(self.path), "total_bytes": self.total_bytes,
-                "received_bytes": self.received_bytes, "resumed_bytes": self.resumed_bytes,
-                "seconds": round(self.seconds, 4), "mb_per_s": round(self.mb_per_s, 1), "servers": self.servers,
-                "already_present": self.already_present, "direct_io": self.direct_io,
-                "rebuilt_files": self.rebuilt_files}
-
-
-
-
-
-
-
-
-
-
+        return {
+            "version": self.version,
+            "path": str(self.path),
+            "total_bytes": self.total_bytes,
+            "received_bytes": self.received_bytes,
+            "resumed_bytes": self.resumed_bytes,
+            "seconds": round(self.seconds, 4),
+            "mb_per_s": round(self.mb_per_s, 1),
+            "servers": self.servers,
+            "already_present": self.already_present,
+            "direct_io": self.direct_io,
+            "rebuilt_files": self.rebuilt_files,
+        }
 
 
 class Download(Resume, Rebuild, ServerChoice, Verification):
     """Fetch `manifest`'s version from `candidates` into `root`; `run()` returns a FetchResult or raises."""
 
-    def __init__(self, *, manifest: Manifest, root: Path, pool: ServerPool, candidates: set[ServerURL],
-                 refresh: Callable[[], set[ServerURL]], timeout: float, patience: float, parallel: int,
-                 part_bytes: int, fsync: bool = True, use_splice: bool = HAVE_SPLICE,
-                 buffers: BufferPool | None = None, on_progress: Callable[[int, int], None] | None = None,
-                 replace_held: bool = False, use_deltas: bool = True, mirror_deltas: bool = False,
-                 bases_root: Path | None = None):
+    def __init__(
+        self,
+        *,
+        manifest: Manifest,
+        root: Path,
+        pool: ServerPool,
+        candidates: set[ServerURL],
+        refresh: Callable[[], set[ServerURL]],
+        timeout: float,
+        patience: float,
+        parallel: int,
+        part_bytes: int,
+        fsync: bool = True,
+        use_splice: bool = HAVE_SPLICE,
+        buffers: BufferPool | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        replace_held: bool = False,
+        use_deltas: bool = True,
+        mirror_deltas: bool = False,
+        bases_root: Path | None = None,
+    ):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
         fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
         `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
@@ -150,8 +163,9 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
             if (self.final / STABLE_FILE).exists():
                 try:
                     held = disk.held_version(self.final, self.version, self.manifest.sha256)
-                    return FetchResult(self.version, self.final, held.total_size, 0, 0, time.monotonic() - t0, {},
-                                       already_present=True)
+                    return FetchResult(
+                        self.version, self.final, held.total_size, 0, 0, time.monotonic() - t0, {}, already_present=True
+                    )
                 except FetchError:
                     if not self.replace_held:
                         raise
@@ -172,13 +186,22 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     self._return_buffers()
             disk.land(self.root, self.manifest, self.fsync)
             lock_path.unlink(missing_ok=True)
-        return FetchResult(self.version, self.final, self.manifest.total_size, self._received, self._resumed,
-                           time.monotonic() - t0, self._server_summary(),
-                           direct_io=any(f.direct for f in self._files), rebuilt_files=self._rebuilt)
+        return FetchResult(
+            self.version,
+            self.final,
+            self.manifest.total_size,
+            self._received,
+            self._resumed,
+            time.monotonic() - t0,
+            self._server_summary(),
+            direct_io=any(f.direct for f in self._files),
+            rebuilt_files=self._rebuilt,
+        )
 
     def _transfer(self) -> None:
-        workers = self._workers = [threading.Thread(target=self._worker, name=f"shardcast-get-{i}", daemon=True)
-                                   for i in range(self.parallel)]
+        workers = self._workers = [
+            threading.Thread(target=self._worker, name=f"shardcast-get-{i}", daemon=True) for i in range(self.parallel)
+        ]
         for f in self._files:
             if not f.verified and f.complete():
                 self._start_hasher(f)
@@ -239,7 +262,6 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                             p.buf = None
         self.buffers.unclaim()
 
-
     # ---- workers --------------------------------------------------------------------------------------
 
     def _worker(self) -> None:
@@ -292,14 +314,22 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     self._check_range(resp, start, end, f.entry.size)
                     with self._lock:
                         f.sources.add(server)
-                    progress = lambda n: self._advance(f, part, server, n)  # noqa: E731
+                    progress = lambda n: self._advance(f, part, server, n)  # noqa: E731, B023 (used in this iteration)
                     if part.buf is not None:
                         with memoryview(part.buf) as view:
-                            receive_into_buffer(resp, view[part.done:part.length], timeout=self.timeout,
-                                                progress=progress)
+                            receive_into_buffer(
+                                resp, view[part.done : part.length], timeout=self.timeout, progress=progress
+                            )
                     else:
-                        receive_into_file(resp, f.fd, start, end - start + 1, timeout=self.timeout,
-                                          progress=progress, use_splice=self.use_splice)
+                        receive_into_file(
+                            resp,
+                            f.fd,
+                            start,
+                            end - start + 1,
+                            timeout=self.timeout,
+                            progress=progress,
+                            use_splice=self.use_splice,
+                        )
                 finally:
                     resp.close()
                 self.pool.record(server, True, part.done - before, time.monotonic() - t0)
@@ -313,11 +343,12 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     self._last_error[server] = str(e)
                     if isinstance(e, NotFound):
                         self.candidates.discard(server)
-                log.log(logging.DEBUG if repeated else logging.INFO, "version %d, %s: %s", self.version,
-                        f.entry.name, e)
+                log.log(
+                    logging.DEBUG if repeated else logging.INFO, "version %d, %s: %s", self.version, f.entry.name, e
+                )
         if part.buf is not None and part.done == part.length:
             with memoryview(part.buf) as view:
-                if not write_part(None if f.direct_refused else f.dfd, f.fd, view[:part.length], part.start):
+                if not write_part(None if f.direct_refused else f.dfd, f.fd, view[: part.length], part.start):
                     f.direct_refused = True  # refused at write time: the rest goes through the page cache
             with self._lock:
                 part.ready = True

@@ -30,14 +30,21 @@ class Resume:
             path = self.partial / entry.name
             saved = journal.get(entry.name) if journal else None
             if entry.name in rebuilt:
-                f = _File(entry, path, [_Part(p.start, p.length, p.length) for p in _split(entry.size, part_bytes)],
-                          threading.Condition(self._lock))
+                f = _File(
+                    entry,
+                    path,
+                    [_Part(p.start, p.length, p.length) for p in _split(entry.size, part_bytes)],
+                    threading.Condition(self._lock),
+                )
                 f.verified = True
             elif saved is not None and path.is_file() and path.stat().st_size == entry.size:
                 parts = [_Part(*p) for p in saved["parts"]]
                 if self._direct and not saved["verified"]:  # whole parts stay; the rest is fetched anew
-                    parts = [q for p in parts for q in ([p] if p.done == p.length else
-                                                        _split(p.start + p.length, part_bytes, p.start))]
+                    parts = [
+                        q
+                        for p in parts
+                        for q in ([p] if p.done == p.length else _split(p.start + p.length, part_bytes, p.start))
+                    ]
                     for p in parts:
                         p.ready = p.done == p.length
                 f = _File(entry, path, parts, threading.Condition(self._lock))
@@ -66,9 +73,13 @@ class Resume:
     def _write_journal(self) -> None:
         with self._lock:
             # a direct part still in its buffer may not be in the file yet: it counts as not received
-            files = {f.entry.name: {"verified": f.verified,
-                                    "parts": [[p.start, p.length, p.done if p.buf is None else 0] for p in f.parts]}
-                     for f in self._files}
+            files = {
+                f.entry.name: {
+                    "verified": f.verified,
+                    "parts": [[p.start, p.length, p.done if p.buf is None else 0] for p in f.parts],
+                }
+                for f in self._files
+            }
         try:
             disk.write_journal(self.partial, self.manifest, files)
         except OSError as e:

@@ -69,8 +69,9 @@ class Manifest:
         return hashlib.sha256(self.raw).hexdigest()
 
 
-def parse_manifest(raw: bytes, where: str, *, version: int | None = None,
-                   max_total: int = DEFAULT_MAX_VERSION_BYTES) -> Manifest:
+def parse_manifest(
+    raw: bytes, where: str, *, version: int | None = None, max_total: int = DEFAULT_MAX_VERSION_BYTES
+) -> Manifest:
     """Validate a manifest's bytes; `version`, when given, must be the one it declares. Errors name `where`."""
     if len(raw) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"{where}: manifest of {len(raw)} bytes exceeds the limit of {MAX_MANIFEST_BYTES}")
@@ -119,8 +120,9 @@ def parse_manifest(raw: bytes, where: str, *, version: int | None = None,
     return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas))
 
 
-def _parse_deltas(items: object, where: str, version: int, files: dict[str, FileEntry],
-                  max_total: int) -> list[DeltaEntry]:
+def _parse_deltas(
+    items: object, where: str, version: int, files: dict[str, FileEntry], max_total: int
+) -> list[DeltaEntry]:
     if not isinstance(items, list) or len(items) > MAX_FILES:
         raise ManifestError(f"{where}: field 'deltas' must be a list of at most {MAX_FILES} entries")
     deltas: list[DeltaEntry] = []

@@ -87,8 +87,9 @@ def parse_server_url(url: str) -> ServerURL:
     except ValueError as e:
         raise ShardcastError(f"server URL {url!r}: {e}") from e
     if parts.scheme != "http" or not parts.hostname:
-        raise ShardcastError(f"server URL {url!r}: expected http://HOST:PORT "
-                             "(plain HTTP; files are verified by sha256)")
+        raise ShardcastError(
+            f"server URL {url!r}: expected http://HOST:PORT (plain HTTP; files are verified by sha256)"
+        )
     if parts.query or parts.fragment or parts.username or parts.password:
         raise ShardcastError(f"server URL {url!r}: must not carry a query, fragment or credentials")
     return ServerURL(parts.hostname, port or 80, parts.path.rstrip("/"))

@@ -76,8 +76,9 @@ class Rebuild:
             if digest == entry.sha256 and self.fsync:
                 os.fsync(fd)
         except (deltas.DeltaError, OSError) as e:
-            log.warning("version %d, %s: cannot rebuild from %s (%s); fetching it in full", self.version,
-                        entry.name, d.name, e)
+            log.warning(
+                "version %d, %s: cannot rebuild from %s (%s); fetching it in full", self.version, entry.name, d.name, e
+            )
             digest = None
         finally:
             os.close(fd)
@@ -85,8 +86,14 @@ class Rebuild:
                 delta_path.unlink(missing_ok=True)
         if digest != entry.sha256:
             if digest is not None:
-                log.warning("version %d, %s rebuilt from the verified delta %s has a wrong sha256: the held base "
-                            "%s is corrupt; fetching it in full", self.version, entry.name, d.name, base_file)
+                log.warning(
+                    "version %d, %s rebuilt from the verified delta %s has a wrong sha256: the held base "
+                    "%s is corrupt; fetching it in full",
+                    self.version,
+                    entry.name,
+                    d.name,
+                    base_file,
+                )
             return False
         return True
 
@@ -108,12 +115,21 @@ class Rebuild:
                 try:
                     check_status(resp, url_path, (200,), self.timeout)
                     if resp.content_length() != entry.size:
-                        raise TransferError(server, f"GET {url_path}: Content-Length {resp.content_length()}, "
-                                                    f"the manifest says {entry.size}")
+                        raise TransferError(
+                            server,
+                            f"GET {url_path}: Content-Length {resp.content_length()}, the manifest says {entry.size}",
+                        )
                     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
                     try:
-                        receive_into_file(resp, fd, 0, entry.size, timeout=self.timeout,
-                                          progress=lambda n: self._count(server, n), use_splice=self.use_splice)
+                        receive_into_file(
+                            resp,
+                            fd,
+                            0,
+                            entry.size,
+                            timeout=self.timeout,
+                            progress=lambda n: self._count(server, n),  # noqa: B023 (called before the loop moves on)
+                            use_splice=self.use_splice,
+                        )
                     finally:
                         os.close(fd)
                 finally:
@@ -132,8 +148,12 @@ class Rebuild:
                 self._distrusted.add(server)
                 self._last_error[server] = f"sent {entry.name} with a wrong sha256"
             self.pool.distrust(server)
-            log.warning("version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
-                        self.version, entry.name, server)
+            log.warning(
+                "version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
+                self.version,
+                entry.name,
+                server,
+            )
         return False
 
     def _count(self, server: ServerURL, n: int) -> None:

@@ -41,7 +41,12 @@ from bridge.shardcast.client import ShardcastClient
 from bridge.shardcast.errors import ManifestError, ShardcastError, WaitTimeout
 from bridge.shardcast.manifest import Manifest, parse_manifest, read_version_dir
 from bridge.shardcast.names import (
-    MANIFEST_FILE, STABLE_FILE, check_version, parse_version, parse_version_dirname, version_dirname,
+    MANIFEST_FILE,
+    STABLE_FILE,
+    check_version,
+    parse_version,
+    parse_version_dirname,
+    version_dirname,
 )
 from bridge.shardcast.server import ServerLimits, ShardcastServer
 from bridge.shardcast.store import VersionStore
@@ -119,8 +124,11 @@ def recover_unsynced(root: Path) -> list[int]:
                 if digest.hexdigest() != entry.sha256:
                     raise ManifestError(f"{path / entry.name}: sha256 does not match the manifest")
         except (ManifestError, OSError) as e:
-            log.warning("%s was not flushed before the relay stopped and fails its check (%s): deleted, to be "
-                        "mirrored again", version_dirname(version), e)
+            log.warning(
+                "%s was not flushed before the relay stopped and fails its check (%s): deleted, to be mirrored again",
+                version_dirname(version),
+                e,
+            )
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(version)
             continue
@@ -137,7 +145,7 @@ def _leftovers(root: Path, superseded: int | None) -> None:
         if name.startswith(".v") and (".deleting-" in name or ".replaced-" in name):
             shutil.rmtree(path, ignore_errors=True)
         elif name.startswith(".") and name.endswith(".partial") and superseded is not None:
-            version = parse_version_dirname(name[1:-len(".partial")])
+            version = parse_version_dirname(name[1 : -len(".partial")])
             if version is not None and version <= superseded:
                 shutil.rmtree(path, ignore_errors=True)
                 (root / f".{version_dirname(version)}.lock").unlink(missing_ok=True)
@@ -146,10 +154,19 @@ def _leftovers(root: Path, superseded: int | None) -> None:
 class Mirror:
     """Keeps `root` in step with the upstreams; `run()` loops until `stop` is set."""
 
-    def __init__(self, client: ShardcastClient, root: Path, keep: int, newest: int | None,
-                 on_landed: Callable[[int, Manifest], None], stop: threading.Event, durable: bool = True,
-                 sync_delay_s: float = SYNC_DELAY_S, pins: Callable[[], AnnouncedPolicy] | None = None,
-                 pin_wait_s: float = PIN_WAIT_S):
+    def __init__(
+        self,
+        client: ShardcastClient,
+        root: Path,
+        keep: int,
+        newest: int | None,
+        on_landed: Callable[[int, Manifest], None],
+        stop: threading.Event,
+        durable: bool = True,
+        sync_delay_s: float = SYNC_DELAY_S,
+        pins: Callable[[], AnnouncedPolicy] | None = None,
+        pin_wait_s: float = PIN_WAIT_S,
+    ):
         """`pins`: the announced policy (None: mirror what the upstreams offer, trusting their manifests)."""
         self.client, self.root, self.keep, self.newest = client, root, keep, newest
         self.on_landed, self.stop = on_landed, stop
@@ -168,8 +185,9 @@ class Mirror:
                 continue
             self._report(None)
             offered = {v for vs in self.client.versions().values() for v in vs}
-            wanted = sorted({v for v in offered | {latest} if (self.newest is None or v > self.newest)
-                             and v not in self.skipped})[-self.keep:]
+            wanted = sorted(
+                {v for v in offered | {latest} if (self.newest is None or v > self.newest) and v not in self.skipped}
+            )[-self.keep :]
             if not wanted:  # only skipped versions are new: wait for another
                 self.stop.wait(1.0)
             for version in reversed(wanted):
@@ -196,16 +214,21 @@ class Mirror:
                     return True, policy.manifests[version]
                 if policy.version is not None and policy.version >= version:
                     if version < policy.min_version:
-                        log.info("%s left the async window unannounced to this relay: not mirrored",
-                                 version_dirname(version))
+                        log.info(
+                            "%s left the async window unannounced to this relay: not mirrored", version_dirname(version)
+                        )
                         self.skipped.add(version)
                         return False, None
-                    log.warning("%s was announced without a manifest sha256: mirrored unpinned",
-                                version_dirname(version))
+                    log.warning(
+                        "%s was announced without a manifest sha256: mirrored unpinned", version_dirname(version)
+                    )
                     return True, None
             if time.monotonic() >= deadline:
-                log.warning("%s is offered upstream but the orchestrator has not announced it within %.0f s: "
-                            "not mirrored yet", version_dirname(version), self.pin_wait_s)
+                log.warning(
+                    "%s is offered upstream but the orchestrator has not announced it within %.0f s: not mirrored yet",
+                    version_dirname(version),
+                    self.pin_wait_s,
+                )
                 return False, None
             self.stop.wait(PIN_POLL_S)
         return False, None
@@ -249,33 +272,64 @@ class Mirror:
             self._reported = problem
 
 
-async def serve_relay(root: Path, upstreams: str | list[str], *, host: str, port: int, keep: int,
-                      ready: Callable[[str], None], grace_s: float = 60.0, timeout: float = 30.0,
-                      patience: float = 300.0, parallel: int = 0, part_bytes: int = 64 << 20,
-                      max_version_bytes: int | None = None, fsync: bool = True,
-                      limits: ServerLimits = ServerLimits(), test_fault: str | None = None,
-                      pin_url: str | None = None) -> None:
+async def serve_relay(
+    root: Path,
+    upstreams: str | list[str],
+    *,
+    host: str,
+    port: int,
+    keep: int,
+    ready: Callable[[str], None],
+    grace_s: float = 60.0,
+    timeout: float = 30.0,
+    patience: float = 300.0,
+    parallel: int = 0,
+    part_bytes: int = 64 << 20,
+    max_version_bytes: int | None = None,
+    fsync: bool = True,
+    limits: ServerLimits = ServerLimits(),
+    test_fault: str | None = None,
+    pin_url: str | None = None,
+) -> None:
     """Mirror and serve until cancelled; `ready(url)` is called once the port is bound. `pin_url`: the
     orchestrator whose announced manifest sha256s the mirror pins (None: trust the upstreams' manifests)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
     # fsync: flushed in the background after advertising (see the module docstring), not before STABLE
-    client = ShardcastClient(upstreams, timeout=timeout, patience=patience, parallel=parallel,
-                             part_bytes=part_bytes, fsync=False, direct_io=False, mirror_deltas=True, **client_args)
+    client = ShardcastClient(
+        upstreams,
+        timeout=timeout,
+        patience=patience,
+        parallel=parallel,
+        part_bytes=part_bytes,
+        fsync=False,
+        direct_io=False,
+        mirror_deltas=True,
+        **client_args,
+    )
     if fsync:
         recover_unsynced(root)
     store = VersionStore(root, keep=keep, grace_s=grace_s)
     store.scan()
     _leftovers(root, store.latest)
-    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout, limits=limits,
-                             test_fault=test_fault)
+    server = ShardcastServer(
+        store, role="relay", host=host, port=port, timeout=timeout, limits=limits, test_fault=test_fault
+    )
     ready(await server.start())
     loop = asyncio.get_running_loop()
     stop = threading.Event()
     pins = None if pin_url is None else (lambda: orchestrator_policy(pin_url, timeout))
-    mirror = Mirror(client, root, keep, store.latest,
-                    lambda v, m: loop.call_soon_threadsafe(store.add, v, m), stop, durable=fsync, pins=pins)
+    mirror = Mirror(
+        client,
+        root,
+        keep,
+        store.latest,
+        lambda v, m: loop.call_soon_threadsafe(store.add, v, m),
+        stop,
+        durable=fsync,
+        pins=pins,
+    )
     thread = threading.Thread(target=mirror.run, name="shardcast-mirror", daemon=True)
     thread.start()
     try:

@@ -162,7 +162,7 @@ class _Connection(RequestHandler):
                 return False
             self.head_bytes, consumed, search = 0, through, end + 4
         self.head_bytes += len(data) - consumed
-        self._tail = view[max(search, len(view) - 3):]
+        self._tail = view[max(search, len(view) - 3) :]
         return self.head_bytes <= limit
 
     def _head_begins(self) -> None:
@@ -176,8 +176,9 @@ class _Connection(RequestHandler):
     def refuse(self, status: int, reason: str) -> None:
         """Answer `status` without reading further, and close."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\n"
-                                 "Connection: close\r\n\r\n".encode())
+            self.transport.write(
+                f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
+            )
         self.force_close()
 
     def begin(self, long_poll: bool = False) -> None:
@@ -226,8 +227,13 @@ class _LimitedServer(web.Server):
             if victim is None:
                 self._refused[group] += 1
                 if self._refused[group] & (self._refused[group] - 1) == 0:  # 1, 2, 4, 8...: bounded logging
-                    log.warning("refused %d connection(s) from %s so far (%d open from it, %d in all)",
-                                self._refused[group], group, len(mine), len(self._open))
+                    log.warning(
+                        "refused %d connection(s) from %s so far (%d open from it, %d in all)",
+                        self._refused[group],
+                        group,
+                        len(mine),
+                        len(self._open),
+                    )
                 # after aiohttp has started the connection's task (on Python 3.11 a connection lost before it
                 # runs makes that task fail with an AssertionError, logged with a traceback)
                 self._loop.call_soon(transport.abort)
@@ -276,16 +282,31 @@ def _error(status: int, message: str, headers: dict | None = None, close: bool =
 class ShardcastServer:
     """Serves a `VersionStore` over HTTP; `start()` binds and returns the base URL (port 0 picks a free one)."""
 
-    def __init__(self, store: VersionStore, *, role: str, host: str, port: int, timeout: float = 30.0,
-                 limits: ServerLimits = ServerLimits(), test_fault: str | None = None):
+    def __init__(
+        self,
+        store: VersionStore,
+        *,
+        role: str,
+        host: str,
+        port: int,
+        timeout: float = 30.0,
+        limits: ServerLimits = ServerLimits(),
+        test_fault: str | None = None,
+    ):
         self.store, self.role, self.host, self.port = store, role, host, port
         self.timeout, self.limits = timeout, limits
         self.fault = parse_test_fault(test_fault)
         line = min(8190, limits.max_header_bytes)
         # lingering_time 0: a request body is never read (413 closes the connection instead)
         self._server = _LimitedServer(
-            self._handle, limits=limits, keepalive_timeout=limits.keepalive, lingering_time=0,
-            max_line_size=line, max_field_size=line, access_log=None)
+            self._handle,
+            limits=limits,
+            keepalive_timeout=limits.keepalive,
+            lingering_time=0,
+            max_line_size=line,
+            max_field_size=line,
+            access_log=None,
+        )
         self._runner: web.ServerRunner | None = None
         self.url = ""
 
@@ -315,8 +336,7 @@ class ShardcastServer:
 
     async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.method not in ("GET", "HEAD"):
-            return _error(405, f"{request.method} is not served; only GET and HEAD",
-                          {"Allow": "GET, HEAD"}, close=True)
+            return _error(405, f"{request.method} is not served; only GET and HEAD", {"Allow": "GET, HEAD"}, close=True)
         if request.body_exists:
             return _error(413, "GET and HEAD requests carry no body here", close=True)
         parts = request.rel_url.raw_path.split("/")[1:]
@@ -332,8 +352,11 @@ class ShardcastServer:
                 return await self._file(request, version, check_file_name(parts[2], "file in the URL"))
         except ShardcastError as e:
             return _error(400, str(e))
-        return _error(404, f"no route {request.rel_url.raw_path[:100]!r}; routes: /versions, /healthz, "
-                           "/v/{version}/manifest.json, /v/{version}/{file}")
+        return _error(
+            404,
+            f"no route {request.rel_url.raw_path[:100]!r}; routes: /versions, /healthz, "
+            "/v/{version}/manifest.json, /v/{version}/{file}",
+        )
 
     async def _versions(self, request: web.BaseRequest) -> web.Response:
         query = request.rel_url.query
@@ -345,8 +368,9 @@ class ShardcastServer:
             except ValueError:
                 wait = math.nan
             if not 0 <= wait <= MAX_WAIT:
-                raise ShardcastError(f"query 'wait': {query['wait'][:20]!r} is not a number of seconds "
-                                     f"in 0..{MAX_WAIT:g}")
+                raise ShardcastError(
+                    f"query 'wait': {query['wait'][:20]!r} is not a number of seconds in 0..{MAX_WAIT:g}"
+                )
         if wait > 0:
             await self.store.wait_newer(-1 if after is None else after, wait)
         return web.json_response(self.store.listing())
@@ -369,8 +393,9 @@ class ShardcastServer:
         try:
             rng = parse_range(request.headers.get("Range"), size)
         except ValueError as e:
-            return _error(416, f"Range {request.headers.get('Range', '')[:60]!r}: {e}",
-                          {"Content-Range": f"bytes */{size}"})
+            return _error(
+                416, f"Range {request.headers.get('Range', '')[:60]!r}: {e}", {"Content-Range": f"bytes */{size}"}
+            )
         if rng is None:
             start, count, status = 0, size, 200
         else:
@@ -385,9 +410,14 @@ class ShardcastServer:
                 if os.fstat(f.fileno()).st_size != size:
                     log.error("version %d, file %s changed on disk; not serving it", version, name)
                     return _error(500, f"version {version}, file {name!r} changed on the server's disk")
-                resp = web.StreamResponse(status=status, headers={
-                    "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream",
-                    "ETag": f'"{entry.sha256}"'})
+                resp = web.StreamResponse(
+                    status=status,
+                    headers={
+                        "Accept-Ranges": "bytes",
+                        "Content-Type": "application/octet-stream",
+                        "ETag": f'"{entry.sha256}"',
+                    },
+                )
                 if status == 206:
                     resp.headers["Content-Range"] = f"bytes {start}-{start + count - 1}/{size}"
                 resp.content_length = count
@@ -398,8 +428,13 @@ class ShardcastServer:
                 try:
                     await self._send(request, resp, f, start, count)
                 except (ConnectionError, TimeoutError) as e:
-                    log.info("dropped %s during version %d, file %s: %s", request.remote, version, name,
-                             e or "no progress for %.0f s" % self.timeout)
+                    log.info(
+                        "dropped %s during version %d, file %s: %s",
+                        request.remote,
+                        version,
+                        name,
+                        e or "no progress for %.0f s" % self.timeout,
+                    )
                     if request.transport is not None:
                         request.transport.abort()
                     return resp

@@ -92,8 +92,12 @@ class VersionStore:
     def _advertise(self, version: int, manifest: Manifest) -> None:
         self.advertised[version] = manifest
         self._rejected.pop(version, None)
-        log.info("serving %s (%d files, %.1f MiB)", version_dirname(version), len(manifest.files),
-                 manifest.total_size / 2**20)
+        log.info(
+            "serving %s (%d files, %.1f MiB)",
+            version_dirname(version),
+            len(manifest.files),
+            manifest.total_size / 2**20,
+        )
         self._notify()
 
     def _notify(self) -> None:
@@ -125,7 +129,7 @@ class VersionStore:
         """Retire versions beyond the newest `keep`; delete retired ones that are idle (relays only)."""
         if self.keep is None:
             return
-        for version in sorted(self.advertised)[:-self.keep]:
+        for version in sorted(self.advertised)[: -self.keep]:
             self.retiring[version] = self.advertised.pop(version)
             self._last_access[version] = time.monotonic()
             log.info("retiring %s (keeping the newest %d)", version_dirname(version), self.keep)

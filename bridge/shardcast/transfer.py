@@ -48,8 +48,15 @@ class Response:
         return int(value)
 
 
-def open_get(server: ServerURL, path: str, *, timeout: float, headers: dict[str, str] | None = None,
-             wait: float = 0.0, on_open: Callable[[socket.socket], None] | None = None) -> Response:
+def open_get(
+    server: ServerURL,
+    path: str,
+    *,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+    wait: float = 0.0,
+    on_open: Callable[[socket.socket], None] | None = None,
+) -> Response:
     """Send `GET path` and read the response head; `wait` extends the head's deadline (long-polls)."""
     try:
         sock = socket.create_connection((server.host, server.port), timeout=timeout)
@@ -59,8 +66,12 @@ def open_get(server: ServerURL, path: str, *, timeout: float, headers: dict[str,
         if on_open is not None:
             on_open(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        lines = [f"GET {server.path(path)} HTTP/1.1", f"Host: {server.host}:{server.port}",
-                 "Connection: close", "User-Agent: intellect-shardcast"]
+        lines = [
+            f"GET {server.path(path)} HTTP/1.1",
+            f"Host: {server.host}:{server.port}",
+            "Connection: close",
+            "User-Agent: intellect-shardcast",
+        ]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         deadline = time.monotonic() + timeout + wait
@@ -85,7 +96,7 @@ def open_get(server: ServerURL, path: str, *, timeout: float, headers: dict[str,
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise TransferError(server, f"not an HTTP/1.x response: {status_line[:80]!r}")
         message = http.client.parse_headers(io.BytesIO(header_block + b"\r\n\r\n"))
-        return Response(server, int(parts[1]), message, sock, bytes(buf[end + 4:]))
+        return Response(server, int(parts[1]), message, sock, bytes(buf[end + 4 :]))
     except TransferError:
         sock.close()
         raise
@@ -137,8 +148,15 @@ def check_status(resp: Response, path: str, expected: tuple[int, ...], timeout: 
     raise cls(resp.server, f"GET {path}: HTTP {resp.status}" + (f": {detail}" if detail else ""), resp.status)
 
 
-def get_bytes(server: ServerURL, path: str, *, timeout: float, limit: int, wait: float = 0.0,
-              on_open: Callable[[socket.socket], None] | None = None) -> bytes:
+def get_bytes(
+    server: ServerURL,
+    path: str,
+    *,
+    timeout: float,
+    limit: int,
+    wait: float = 0.0,
+    on_open: Callable[[socket.socket], None] | None = None,
+) -> bytes:
     resp = open_get(server, path, timeout=timeout, wait=wait, on_open=on_open)
     try:
         check_status(resp, path, (200,), timeout)
@@ -147,8 +165,15 @@ def get_bytes(server: ServerURL, path: str, *, timeout: float, limit: int, wait:
         resp.close()
 
 
-def get_json(server: ServerURL, path: str, *, timeout: float, limit: int, wait: float = 0.0,
-             on_open: Callable[[socket.socket], None] | None = None):
+def get_json(
+    server: ServerURL,
+    path: str,
+    *,
+    timeout: float,
+    limit: int,
+    wait: float = 0.0,
+    on_open: Callable[[socket.socket], None] | None = None,
+):
     body = get_bytes(server, path, timeout=timeout, limit=limit, wait=wait, on_open=on_open)
     try:
         return json.loads(body)
@@ -175,8 +200,16 @@ class _Stall:
         return left
 
 
-def receive_into_file(resp: Response, fd: int, offset: int, count: int, *, timeout: float,
-                      progress: Callable[[int], None], use_splice: bool = HAVE_SPLICE) -> None:
+def receive_into_file(
+    resp: Response,
+    fd: int,
+    offset: int,
+    count: int,
+    *,
+    timeout: float,
+    progress: Callable[[int], None],
+    use_splice: bool = HAVE_SPLICE,
+) -> None:
     """Write the next `count` body bytes at `offset` of `fd`, calling `progress(n)` as they land."""
     head = resp.leftover[:count]
     if head:
@@ -235,7 +268,7 @@ def _copy_loop(resp, fd, offset, remaining, stall, progress) -> None:
     while remaining:
         resp.sock.settimeout(stall.left())
         try:
-            n = resp.sock.recv_into(buf[:min(remaining, len(buf))])
+            n = resp.sock.recv_into(buf[: min(remaining, len(buf))])
         except TimeoutError:
             stall.left()
             continue
@@ -250,11 +283,10 @@ def _copy_loop(resp, fd, offset, remaining, stall, progress) -> None:
         progress(n)
 
 
-def receive_into_buffer(resp: Response, view: memoryview, *, timeout: float,
-                        progress: Callable[[int], None]) -> None:
+def receive_into_buffer(resp: Response, view: memoryview, *, timeout: float, progress: Callable[[int], None]) -> None:
     """Fill `view` with the next `len(view)` body bytes, calling `progress(n)` as they arrive."""
-    head = resp.leftover[:len(view)]
-    view[:len(head)] = head
+    head = resp.leftover[: len(view)]
+    view[: len(head)] = head
     if head:
         progress(len(head))
     got, count = len(head), len(view)

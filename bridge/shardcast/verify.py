@@ -84,7 +84,7 @@ class Verification:
                 buf = part.buf
             if buf is not None:
                 with memoryview(buf) as view:
-                    digest.update(view[:part.length])
+                    digest.update(view[: part.length])
                 with self._lock:
                     if part.buf is buf:
                         self.buffers.give_back(buf)
@@ -133,16 +133,26 @@ class Verification:
             self._distrusted.add(sources[0])
             self.pool.distrust(sources[0])
             self._last_error[sources[0]] = f"sent {f.entry.name} with a wrong sha256"
-            log.warning("version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
-                        self.version, f.entry.name, sources[0])
+            log.warning(
+                "version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
+                self.version,
+                f.entry.name,
+                sources[0],
+            )
         else:
             for server in sources:
                 self.pool.record(server, False)
-            log.warning("version %d, %s: sha256 mismatch from %s; fetching it again from one server",
-                        self.version, f.entry.name, ", ".join(map(str, sources)))
+            log.warning(
+                "version %d, %s: sha256 mismatch from %s; fetching it again from one server",
+                self.version,
+                f.entry.name,
+                ", ".join(map(str, sources)),
+            )
         if f.mismatches > 2 * len(self.pool.servers) + 1:
-            self._error = FetchError(f"version {self.version}, {f.entry.name}: sha256 mismatch {f.mismatches} "
-                                     f"times (sources: {', '.join(map(str, sources))})")
+            self._error = FetchError(
+                f"version {self.version}, {f.entry.name}: sha256 mismatch {f.mismatches} "
+                f"times (sources: {', '.join(map(str, sources))})"
+            )
             self._queue_cv.notify_all()
             return
         f.single_source = True

@@ -29,8 +29,9 @@ def score(task, completion: str) -> RewardResult:
     return get_reward(task.reward)(task, completion)
 
 
-def sample_reward(task, completion: str, length: int, target: int, penalty: float = 0.0,
-                  mode: LengthMode = "exact") -> RewardResult:
+def sample_reward(
+    task, completion: str, length: int, target: int, penalty: float = 0.0, mode: LengthMode = "exact"
+) -> RewardResult:
     """What a worker claims and a validator recomputes for one sample: the task's reward, then the length
     reward of INTELLECT-2 against the sample's thinking-length target (`length` completion tokens)."""
     task_result = score(task, completion)
@@ -41,4 +42,14 @@ register("math", math_reward)
 register("exact", exact_reward)
 register("code", code_reward)
 
-__all__ = ["Limits", "REGISTRY", "RewardFn", "RewardResult", "get_reward", "length_reward", "register", "sample_reward", "score"]
+__all__ = [
+    "Limits",
+    "REGISTRY",
+    "RewardFn",
+    "RewardResult",
+    "get_reward",
+    "length_reward",
+    "register",
+    "sample_reward",
+    "score",
+]

@@ -89,8 +89,10 @@ def _net_isolation() -> list[str]:
 
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # fork, vfork, execve, execveat, clone3, clone (allowed with CLONE_THREAD) by architecture
-_SYSCALLS = {"x86_64": dict(deny=(57, 58, 59, 322), nosys=(435,), clone=56),
-             "aarch64": dict(deny=(221, 281), nosys=(435,), clone=220)}
+_SYSCALLS = {
+    "x86_64": dict(deny=(57, 58, 59, 322), nosys=(435,), clone=56),
+    "aarch64": dict(deny=(221, 281), nosys=(435,), clone=220),
+}
 _CLONE_THREAD = 0x00010000
 _EPERM, _ENOSYS = 1, 38
 
@@ -105,38 +107,49 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     calls = _SYSCALLS[machine]
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | _EPERM, 0x00050000 | _ENOSYS
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    prog: list[tuple[int, int, int, int]] = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[machine]), (ret, 0, 0, eperm),
-                                             (ld, 0, 0, 0)]
+    prog: list[tuple[int, int, int, int]] = [
+        (ld, 0, 0, 4),
+        (jeq, 1, 0, _AUDIT_ARCH[machine]),
+        (ret, 0, 0, eperm),
+        (ld, 0, 0, 0),
+    ]
     if machine == "x86_64":
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]  # the x32 ABI
     for nr in calls["deny"]:
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
     for nr in calls["nosys"]:
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, enosys)]
-    prog += [(jeq, 0, 3, calls["clone"]), (ld, 0, 0, 16), (jset, 1, 0, _CLONE_THREAD), (ret, 0, 0, eperm),
-             (ret, 0, 0, allow)]
+    prog += [
+        (jeq, 0, 3, calls["clone"]),
+        (ld, 0, 0, 16),
+        (jset, 1, 0, _CLONE_THREAD),
+        (ret, 0, 0, eperm),
+        (ret, 0, 0, allow),
+    ]
     return b"".join(struct.pack("=HBBI", *insn) for insn in prog)
 
 
 # The child applies its own limits and seccomp filter, then runs the program: no `preexec_fn`, which is unsafe
 # to fork from a multithreaded parent (a worker's engine, a validator's torch threads).
-_BOOT = ("import ctypes, resource, runpy, sys\n"
-         "cpu, mem, fsize, bpf, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
-         "bytes.fromhex(sys.argv[4]), sys.argv[5]\n"
-         "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))\n"
-         "resource.setrlimit(resource.RLIMIT_AS, (mem, mem))\n"
-         "resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))\n"
-         "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
-         "if bpf:\n"
-         "    libc = ctypes.CDLL(None, use_errno=True)\n"
-         "    class Prog(ctypes.Structure):\n"
-         "        _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_char_p)]\n"
-         "    prog = Prog(len(bpf) // 8, bpf)\n"
-         "    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(prog), 0, 0):\n"
-         "        sys.exit('sandbox: cannot install the seccomp filter (errno %d)' % ctypes.get_errno())\n"
-         "del ctypes, resource, cpu, mem, fsize, bpf\n"
-         "sys.argv = [path]\n"
-         "runpy.run_path(path, run_name='__main__')\n")
+_BOOT = (
+    "import ctypes, resource, runpy, sys\n"
+    "cpu, mem, fsize, bpf, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), "
+    "bytes.fromhex(sys.argv[4]), sys.argv[5]\n"
+    "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (mem, mem))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))\n"
+    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    "if bpf:\n"
+    "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    "    class Prog(ctypes.Structure):\n"
+    "        _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_char_p)]\n"
+    "    prog = Prog(len(bpf) // 8, bpf)\n"
+    "    if libc.prctl(38, 1, 0, 0, 0) or libc.prctl(22, 2, ctypes.byref(prog), 0, 0):\n"
+    "        sys.exit('sandbox: cannot install the seccomp filter (errno %d)' % ctypes.get_errno())\n"
+    "del ctypes, resource, cpu, mem, fsize, bpf\n"
+    "sys.argv = [path]\n"
+    "runpy.run_path(path, run_name='__main__')\n"
+)
 
 SCRATCH = "/scratch"
 _SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH, "LANG": "C.UTF-8"}
@@ -145,15 +158,33 @@ _SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH, "LA
 def _python() -> tuple[str, list[str]]:
     """The interpreter to run programs with (this one, resolved) and the directories it needs beyond /usr."""
     exe = os.path.realpath(sys.executable)
-    extra = [d for d in {os.path.realpath(sys.base_prefix), os.path.dirname(exe)}
-             if d != "/usr" and not d.startswith("/usr/")]
+    extra = [
+        d
+        for d in {os.path.realpath(sys.base_prefix), os.path.dirname(exe)}
+        if d != "/usr" and not d.startswith("/usr/")
+    ]
     return exe, sorted(extra)
 
 
 def _bwrap_command(bwrap: str, program_fd: int, limits: Limits, bpf: bytes) -> list[str]:
     exe, extra = _python()
-    cmd = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534",
-           "--hostname", "sandbox", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr"]
+    cmd = [
+        bwrap,
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        "65534",
+        "--gid",
+        "65534",
+        "--hostname",
+        "sandbox",
+        "--cap-drop",
+        "ALL",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for top in ("bin", "sbin", "lib", "lib32", "lib64"):  # merged-/usr symlinks, or the real directories
         path = f"/{top}"
         if os.path.islink(path):
@@ -164,20 +195,52 @@ def _bwrap_command(bwrap: str, program_fd: int, limits: Limits, bpf: bytes) -> l
         cmd += ["--ro-bind", d, d]
     # the root (a tmpfs holding the mount points, among them the parents of `extra`) and /dev (/dev/shm) are
     # made read-only: only the bounded /scratch is writable
-    cmd += ["--dev", "/dev", "--perms", "0777", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
-            "--perms", "0644", "--file", str(program_fd), f"{SCRATCH}/main.py", "--remount-ro", "/dev",
-            "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
+    cmd += [
+        "--dev",
+        "/dev",
+        "--perms",
+        "0777",
+        "--size",
+        str(limits.scratch_mb << 20),
+        "--tmpfs",
+        SCRATCH,
+        "--perms",
+        "0644",
+        "--file",
+        str(program_fd),
+        f"{SCRATCH}/main.py",
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        SCRATCH,
+        "--clearenv",
+    ]
     for key, value in _SANDBOX_ENV.items():
         cmd += ["--setenv", key, value]
-    return cmd + ["--", exe, "-I", "-S", "-c", _BOOT, str(limits.cpu_s), str(limits.memory_mb << 20),
-                  str(limits.scratch_mb << 20), bpf.hex(), f"{SCRATCH}/main.py"]
+    return cmd + [
+        "--",
+        exe,
+        "-I",
+        "-S",
+        "-c",
+        _BOOT,
+        str(limits.cpu_s),
+        str(limits.memory_mb << 20),
+        str(limits.scratch_mb << 20),
+        bpf.hex(),
+        f"{SCRATCH}/main.py",
+    ]
 
 
-_SELF_TEST = ("import os, socket\n"
-              "try:\n    os.fork()\nexcept OSError:\n    pass\nelse:\n    raise SystemExit('fork allowed')\n"
-              "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\nexcept OSError:\n    pass\n"
-              "else:\n    raise SystemExit('network reachable')\n"
-              "print(' '.join(sorted(os.listdir('/'))))\n")
+_SELF_TEST = (
+    "import os, socket\n"
+    "try:\n    os.fork()\nexcept OSError:\n    pass\nelse:\n    raise SystemExit('fork allowed')\n"
+    "try:\n    socket.create_connection(('1.1.1.1', 53), timeout=1)\nexcept OSError:\n    pass\n"
+    "else:\n    raise SystemExit('network reachable')\n"
+    "print(' '.join(sorted(os.listdir('/'))))\n"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -218,9 +281,13 @@ def prepare(tasks, allow: bool) -> str | None:
             f"this task set runs model-written programs (code rewards) and they cannot be sandboxed here: {why}. "
             "Install bubblewrap (apt-get install bubblewrap) and allow user namespaces (in Docker: run with "
             "--security-opt seccomp=unconfined, and apparmor=unconfined on Ubuntu hosts), or, in a pool of "
-            "trusted nodes only, set data.allow_unsandboxed_code = true on every worker and validator")
-    log.warning("code rewards run WITHOUT a sandbox (%s): data.allow_unsandboxed_code is set; model-written "
-                "programs can read and change what this node's user can", why)
+            "trusted nodes only, set data.allow_unsandboxed_code = true on every worker and validator"
+        )
+    log.warning(
+        "code rewards run WITHOUT a sandbox (%s): data.allow_unsandboxed_code is set; model-written "
+        "programs can read and change what this node's user can",
+        why,
+    )
     return "unsandboxed"
 
 
@@ -248,7 +315,7 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[s
                 f = key.fileobj
                 if f is proc.stdin:
                     try:
-                        pending = pending[os.write(f.fileno(), pending[:1 << 16]):]
+                        pending = pending[os.write(f.fileno(), pending[: 1 << 16]) :]
                     except BlockingIOError:
                         continue
                     except BrokenPipeError:
@@ -283,21 +350,43 @@ def _run(program: str, stdin: str, limits: Limits, bwrap: str | None) -> tuple[b
             try:
                 os.write(fd, program.encode())
                 os.lseek(fd, 0, os.SEEK_SET)
-                proc = subprocess.Popen(_bwrap_command(bwrap, fd, limits, bpf), cwd=scratch, pass_fds=(fd,),
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        env={}, start_new_session=True)
+                proc = subprocess.Popen(
+                    _bwrap_command(bwrap, fd, limits, bpf),
+                    cwd=scratch,
+                    pass_fds=(fd,),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env={},
+                    start_new_session=True,
+                )
             finally:
                 os.close(fd)
         else:  # the operator's opt-in: limits and the filter only, in a scratch directory of the node's
             path = os.path.join(scratch, "main.py")
             with open(path, "w") as f:
                 f.write(program)
-            cmd = _net_isolation() + [sys.executable, "-I", "-S", "-c", _BOOT, str(limits.cpu_s),
-                                      str(limits.memory_mb << 20), str(limits.scratch_mb << 20), bpf.hex(), path]
-            proc = subprocess.Popen(cmd, cwd=scratch, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": scratch,
-                                                                 "TMPDIR": scratch, "LANG": "C.UTF-8"},
-                                    start_new_session=True)
+            cmd = _net_isolation() + [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                _BOOT,
+                str(limits.cpu_s),
+                str(limits.memory_mb << 20),
+                str(limits.scratch_mb << 20),
+                bpf.hex(),
+                path,
+            ]
+            proc = subprocess.Popen(
+                cmd,
+                cwd=scratch,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8"},
+                start_new_session=True,
+            )
         try:
             limit, out, err = _communicate(proc, stdin.encode(), limits)
         finally:
@@ -319,8 +408,7 @@ def run_test(program: str, stdin: str, limits: Limits) -> tuple[bool, str]:
     SandboxUnavailable where no sandbox can be made and the operator has not allowed running without."""
     bwrap, why = _sandbox()
     if bwrap is None and not _allow_unsandboxed:
-        raise SandboxUnavailable(f"code rewards are not run without a sandbox ({why}); "
-                                 "see data.allow_unsandboxed_code")
+        raise SandboxUnavailable(f"code rewards are not run without a sandbox ({why}); see data.allow_unsandboxed_code")
     return _run(program, stdin, limits, bwrap)
 
 

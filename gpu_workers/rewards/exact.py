@@ -12,7 +12,7 @@ def final_line(completion: str) -> str:
         return ""
     last = lines[-1]
     if last.lower().startswith("answer:"):
-        last = last[len("answer:"):].strip()
+        last = last[len("answer:") :].strip()
     return last.rstrip(".").strip()
 
 

@@ -17,8 +17,9 @@ from typing import Literal
 LengthMode = Literal["exact", "max", "clip"]
 
 
-def length_reward(r: float, length: int, target: int, alpha: float, mode: LengthMode = "exact",
-                  delta: float = 0.5) -> float:
+def length_reward(
+    r: float, length: int, target: int, alpha: float, mode: LengthMode = "exact", delta: float = 0.5
+) -> float:
     if target <= 0 or alpha == 0:
         return r
     if mode == "exact":

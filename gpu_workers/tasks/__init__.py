@@ -4,5 +4,18 @@ from gpu_workers.tasks.dataset import ColumnMap, Task, TaskDataError, TaskDatase
 from gpu_workers.tasks.prompt import LENGTH_SUFFIX, length_target, prompt_text, prompt_tokens
 from gpu_workers.tasks.synthetic import FAMILIES, synthetic_tasks
 
-__all__ = ["ColumnMap", "FAMILIES", "LENGTH_SUFFIX", "Task", "TaskDataError", "TaskDataset", "length_target",
-           "load_jsonl", "load_parquet", "load_tasks", "prompt_text", "prompt_tokens", "synthetic_tasks"]
+__all__ = [
+    "ColumnMap",
+    "FAMILIES",
+    "LENGTH_SUFFIX",
+    "Task",
+    "TaskDataError",
+    "TaskDataset",
+    "length_target",
+    "load_jsonl",
+    "load_parquet",
+    "load_tasks",
+    "prompt_text",
+    "prompt_tokens",
+    "synthetic_tasks",
+]

@@ -84,9 +84,14 @@ def _row_to_task(row: dict[str, Any], columns: ColumnMap, default_reward: str, w
             raise TaskDataError(f"{where}: column {columns.solve_rate!r} is not a number ({rate!r})") from e
     answer = get(columns.answer)
     used = {c for c in dataclasses.astuple(columns) if c}
-    return Task(prompt=row[columns.prompt], reward=get(columns.reward) or default_reward,
-                answer=None if answer is None else str(answer), tests=tests, solve_rate=rate,
-                meta={k: v for k, v in row.items() if k not in used})
+    return Task(
+        prompt=row[columns.prompt],
+        reward=get(columns.reward) or default_reward,
+        answer=None if answer is None else str(answer),
+        tests=tests,
+        solve_rate=rate,
+        meta={k: v for k, v in row.items() if k not in used},
+    )
 
 
 def load_jsonl(path: str | Path, columns: ColumnMap = ColumnMap(), reward: str = "math") -> TaskDataset:
@@ -112,8 +117,9 @@ def load_parquet(path: str | Path, columns: ColumnMap = ColumnMap(), reward: str
     except ImportError as e:
         raise TaskDataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from e
     rows = pq.read_table(path).to_pylist()
-    return TaskDataset([_row_to_task(r, columns, reward, f"{path}: row {i}") for i, r in enumerate(rows)],
-                       Path(path).name)
+    return TaskDataset(
+        [_row_to_task(r, columns, reward, f"{path}: row {i}") for i, r in enumerate(rows)], Path(path).name
+    )
 
 
 def load_tasks(path: str | Path, columns: ColumnMap = ColumnMap(), reward: str = "math") -> TaskDataset:

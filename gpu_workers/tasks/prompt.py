@@ -27,7 +27,7 @@ def prompt_text(task: Task, target: int = 0) -> str:
 
 def prompt_tokens(task: Task, tokenizer, target: int = 0, system: str | None = None) -> list[int]:
     """Token ids of the chat-templated prompt (with the generation prompt), via the tokenizer's template."""
-    messages = ([{"role": "system", "content": system}] if system else [])
+    messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt_text(task, target)})
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding

@@ -21,20 +21,29 @@ def _arithmetic(rng: np.random.Generator, digits: int) -> Task:
     a, b = (int(x) for x in rng.integers(low, high, 2))
     op = ("+", "-", "*")[int(rng.integers(0, 3))]
     value = a + b if op == "+" else a - b if op == "-" else a * b
-    return Task(prompt=f"What is {a} {op} {b}?", reward="math", answer=str(value),
-                meta={"family": "arithmetic", "a": a, "b": b, "op": op})
+    return Task(
+        prompt=f"What is {a} {op} {b}?",
+        reward="math",
+        answer=str(value),
+        meta={"family": "arithmetic", "a": a, "b": b, "op": op},
+    )
 
 
 def _reverse(rng: np.random.Generator, digits: int) -> Task:
     letters = "".join(chr(ord("a") + int(i)) for i in rng.integers(0, 26, digits))
-    return Task(prompt=f"Reverse the string: {letters}", reward="exact", answer=letters[::-1],
-                meta={"family": "reverse"})
+    return Task(
+        prompt=f"Reverse the string: {letters}", reward="exact", answer=letters[::-1], meta={"family": "reverse"}
+    )
 
 
 def _sort(rng: np.random.Generator, digits: int) -> Task:
     values = [int(v) for v in rng.integers(0, 10, digits)]
-    return Task(prompt=f"Sort the digits in ascending order: {' '.join(map(str, values))}", reward="exact",
-                answer=" ".join(map(str, sorted(values))), meta={"family": "sort"})
+    return Task(
+        prompt=f"Sort the digits in ascending order: {' '.join(map(str, values))}",
+        reward="exact",
+        answer=" ".join(map(str, sorted(values))),
+        meta={"family": "sort"},
+    )
 
 
 _MAKERS = {"arithmetic": _arithmetic, "reverse": _reverse, "sort": _sort}

@@ -122,7 +122,7 @@ class ModelConfig:
         try:
             hf = json.loads(path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"{path}: no config.json; is {model_dir} a Hugging Face model directory?")
+            raise FileNotFoundError(f"{path}: no config.json; is {model_dir} a Hugging Face model directory?") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         return cls.from_hf(hf)

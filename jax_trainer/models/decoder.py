@@ -80,7 +80,9 @@ class Decoder(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         if not cfg.tie_embeddings:
             std = cfg.hidden_size**-0.5
-            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype, "normal", std)
+            self.lm_head = _param(
+                rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype, "normal", std
+            )
 
     def __call__(
         self,
@@ -93,8 +95,9 @@ class Decoder(nnx.Module):
         logits = constrain(_logits_f32(hidden, self.head()), ("batch", "length", "act_vocab"))
         return (logits, hidden) if return_hidden else logits
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None
+    ) -> jax.Array:
         """Final-norm hidden states [batch, length, hidden] in the compute dtype (the LM head's input).
 
         The GRPO loss starts here and applies `head()` chunk by chunk, so that [batch, length, vocab] float32

@@ -33,8 +33,14 @@ def jnp_dtype(name) -> jnp.dtype:
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Every parameter of `Decoder(cfg)` with its HF tensor; the order is the export order."""
-    h, n, kv, d, m, v = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                         cfg.intermediate_size, cfg.vocab_size)
+    h, n, kv, d, m, v = (
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+    )
     specs = [TensorSpec.same(("embed",), "model.embed_tokens.weight", (v, h))]
     for i in range(cfg.num_layers):
         p, hf = ("layers", i), f"model.layers.{i}"
@@ -50,8 +56,11 @@ def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
         ]
         if cfg.qkv_bias:
             for name, heads in (("q", n), ("k", kv), ("v", kv)):
-                specs.append(TensorSpec.linear(att + (f"{name}_bias",), f"{hf}.self_attn.{name}_proj.bias",
-                                               (heads * d,), (heads, d), (0, 1)))
+                specs.append(
+                    TensorSpec.linear(
+                        att + (f"{name}_bias",), f"{hf}.self_attn.{name}_proj.bias", (heads * d,), (heads, d), (0, 1)
+                    )
+                )
         if cfg.o_bias:
             specs.append(TensorSpec.same(att + ("o_bias",), f"{hf}.self_attn.o_proj.bias", (h,)))
         if cfg.qk_norm:
@@ -88,8 +97,13 @@ def _ignored_hf_tensor(cfg: ModelConfig):
 def abstract_model(cfg: ModelConfig, param_dtype="float32", compute_dtype="float32", remat=False) -> Decoder:
     """The model's structure with shapes only (no memory allocated)."""
     return nnx.eval_shape(
-        lambda: Decoder(cfg, param_dtype=jnp_dtype(param_dtype), compute_dtype=jnp_dtype(compute_dtype),
-                        remat=remat, rngs=nnx.Rngs(0))
+        lambda: Decoder(
+            cfg,
+            param_dtype=jnp_dtype(param_dtype),
+            compute_dtype=jnp_dtype(compute_dtype),
+            remat=remat,
+            rngs=nnx.Rngs(0),
+        )
     )
 
 
@@ -113,13 +127,20 @@ def load_hf(
     mesh = mesh if mesh is not None else make_mesh()
     abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
     shardings = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh))}
-    arrays = load_params(model_dir, tensor_specs(cfg), shardings, param_dtype, verify=verify,
-                         ignore=_ignored_hf_tensor(cfg))
+    arrays = load_params(
+        model_dir, tensor_specs(cfg), shardings, param_dtype, verify=verify, ignore=_ignored_hf_tensor(cfg)
+    )
     return _with_values(abstract, arrays)
 
 
-def init_random(cfg: ModelConfig, mesh: Mesh | None = None, param_dtype="float32", compute_dtype="float32",
-                remat: bool = False, seed: int = 0) -> Decoder:
+def init_random(
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    param_dtype="float32",
+    compute_dtype="float32",
+    remat: bool = False,
+    seed: int = 0,
+) -> Decoder:
     """A randomly initialised model created directly in its sharded layout (never whole on one device)."""
     mesh = mesh if mesh is not None else make_mesh()
     abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
@@ -127,8 +148,13 @@ def init_random(cfg: ModelConfig, mesh: Mesh | None = None, param_dtype="float32
     shardings = param_shardings(abstract_state, mesh)
 
     def create():
-        model = Decoder(cfg, param_dtype=jnp_dtype(param_dtype), compute_dtype=jnp_dtype(compute_dtype),
-                        remat=remat, rngs=nnx.Rngs(seed))
+        model = Decoder(
+            cfg,
+            param_dtype=jnp_dtype(param_dtype),
+            compute_dtype=jnp_dtype(compute_dtype),
+            remat=remat,
+            rngs=nnx.Rngs(seed),
+        )
         return nnx.state(model)
 
     state = jax.jit(create, out_shardings=shardings)()
@@ -151,6 +177,14 @@ def export_hf(
     fsync: bool = True,
 ) -> ExportResult | None:
     """Write `model` as a Hugging Face directory (docs/design.md section 4) loadable by transformers and vLLM."""
-    return export_params(model_arrays(model), tensor_specs(model.cfg), out_dir, version=version,
-                         source_dir=source_dir, hf_config=hf_config, dtype=dtype,
-                         max_shard_bytes=max_shard_bytes, fsync=fsync)
+    return export_params(
+        model_arrays(model),
+        tensor_specs(model.cfg),
+        out_dir,
+        version=version,
+        source_dir=source_dir,
+        hf_config=hf_config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        fsync=fsync,
+    )

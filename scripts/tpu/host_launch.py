@@ -26,8 +26,11 @@ import urllib.error
 import urllib.request
 
 DEFAULT_PORT = 8482  # the port jax.distributed itself uses for the coordinator on Cloud TPU
-ENV_KEYS = ("INTELLECT_TRAINER__COORDINATOR_ADDRESS", "INTELLECT_TRAINER__NUM_PROCESSES",
-            "INTELLECT_TRAINER__PROCESS_ID")
+ENV_KEYS = (
+    "INTELLECT_TRAINER__COORDINATOR_ADDRESS",
+    "INTELLECT_TRAINER__NUM_PROCESSES",
+    "INTELLECT_TRAINER__PROCESS_ID",
+)
 
 
 def default_metadata_url() -> str:
@@ -43,8 +46,10 @@ def read_attribute(base_url: str, name: str, timeout_s: float = 10.0) -> str:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             return reply.read().decode().strip()
     except (urllib.error.URLError, OSError) as exc:
-        raise SystemExit(f"host_launch: cannot read TPU metadata attribute {name!r} from {url}: {exc}. "
-                         "Run this on a TPU VM host (or pass --metadata-url).") from exc
+        raise SystemExit(
+            f"host_launch: cannot read TPU metadata attribute {name!r} from {url}: {exc}. "
+            "Run this on a TPU VM host (or pass --metadata-url)."
+        ) from exc
 
 
 def parse_endpoints(text: str) -> list[str]:
@@ -53,8 +58,10 @@ def parse_endpoints(text: str) -> list[str]:
     for entry in (e.strip() for e in text.split(",")):
         parts = entry.split(":")
         if not entry or len(parts) not in (1, 3) or not parts[-1]:
-            raise SystemExit(f"host_launch: worker-network-endpoints entry {entry!r} is neither an address nor "
-                             f"name:id:address (whole value: {text!r})")
+            raise SystemExit(
+                f"host_launch: worker-network-endpoints entry {entry!r} is neither an address nor "
+                f"name:id:address (whole value: {text!r})"
+            )
         hosts.append(parts[-1])
     return hosts
 
@@ -67,18 +74,22 @@ def process_env(worker_number: str, endpoints: str, port: int) -> dict[str, str]
     except ValueError:
         raise SystemExit(f"host_launch: agent-worker-number {worker_number!r} is not an integer") from None
     if not 0 <= pid < len(hosts):
-        raise SystemExit(f"host_launch: agent-worker-number {pid} is outside the {len(hosts)} hosts of "
-                         f"worker-network-endpoints ({', '.join(hosts)})")
+        raise SystemExit(
+            f"host_launch: agent-worker-number {pid} is outside the {len(hosts)} hosts of "
+            f"worker-network-endpoints ({', '.join(hosts)})"
+        )
     coordinator = f"[{hosts[0]}]" if ":" in hosts[0] else hosts[0]
     return dict(zip(ENV_KEYS, (f"{coordinator}:{port}", str(len(hosts)), str(pid))))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="coordinator port on host 0")
-    parser.add_argument("--metadata-url", default=None,
-                        help="base URL of the instance attributes (default: the GCE metadata server)")
+    parser.add_argument(
+        "--metadata-url", default=None, help="base URL of the instance attributes (default: the GCE metadata server)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
@@ -86,13 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         parser.error("no command given: host_launch.py [options] -- intellect train CONFIG")
     base = args.metadata_url or default_metadata_url()
-    env = process_env(read_attribute(base, "agent-worker-number"),
-                      read_attribute(base, "worker-network-endpoints"), args.port)
+    env = process_env(
+        read_attribute(base, "agent-worker-number"), read_attribute(base, "worker-network-endpoints"), args.port
+    )
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(command))
         return 0
-    print(f"host_launch: process {env[ENV_KEYS[2]]} of {env[ENV_KEYS[1]]}, coordinator {env[ENV_KEYS[0]]}",
-          file=sys.stderr, flush=True)
+    print(
+        f"host_launch: process {env[ENV_KEYS[2]]} of {env[ENV_KEYS[1]]}, coordinator {env[ENV_KEYS[0]]}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         os.execvpe(command[0], command, {**os.environ, **env})
     except OSError as exc:

@@ -46,8 +46,11 @@ def package_wheel_name() -> str:
     fields = {}
     for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup":
-            fields = {k.arg: k.value.value for k in node.keywords
-                      if k.arg in ("name", "version") and isinstance(k.value, ast.Constant)}
+            fields = {
+                k.arg: k.value.value
+                for k in node.keywords
+                if k.arg in ("name", "version") and isinstance(k.value, ast.Constant)
+            }
     if set(fields) != {"name", "version"}:
         raise SystemExit(f"pod.py: cannot read name and version from {ROOT / 'setup.py'}")
     return f"{fields['name'].replace('-', '_')}-{fields['version']}-py3-none-any.whl"
@@ -69,8 +72,17 @@ class Pod:
         return self.gcloud("ssh", f"--worker={worker}", f"--command={command}")
 
     def scp(self, sources: Sequence[str | Path], dest: str) -> list[str]:
-        return ["gcloud", "compute", "tpus", "tpu-vm", "scp", *map(str, sources), f"{self.name}:{dest}",
-                *self._where(), "--worker=all"]
+        return [
+            "gcloud",
+            "compute",
+            "tpus",
+            "tpu-vm",
+            "scp",
+            *map(str, sources),
+            f"{self.name}:{dest}",
+            *self._where(),
+            "--worker=all",
+        ]
 
 
 def create(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
@@ -88,26 +100,36 @@ def install(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
     ]
     if args.nfs:
         mount = shlex.quote(args.mount)
-        steps.append(pod.ssh(
-            "set -e; sudo apt-get update -q && sudo apt-get install -y -q nfs-common && "
-            f"sudo mkdir -p {mount} && (mountpoint -q {mount} || sudo mount -t nfs -o rw,hard "
-            f"{shlex.quote(args.nfs)} {mount}) && sudo chown \"$(id -u):$(id -g)\" {mount}"))
+        steps.append(
+            pod.ssh(
+                "set -e; sudo apt-get update -q && sudo apt-get install -y -q nfs-common && "
+                f"sudo mkdir -p {mount} && (mountpoint -q {mount} || sudo mount -t nfs -o rw,hard "
+                f'{shlex.quote(args.nfs)} {mount}) && sudo chown "$(id -u):$(id -g)" {mount}'
+            )
+        )
     steps.append(pod.scp([wheel, HOST_LAUNCH], f"{d}/pkg/"))
     steps.append(pod.scp([args.config], f"{d}/config.toml"))
     if args.env_file:
         steps.append(pod.scp([args.env_file], f"{d}/secrets.env"))
         steps.append(pod.ssh(f"chmod 600 {d}/secrets.env"))
     requirement = shlex.quote(f"pkg/{wheel.name}[trainer]")
-    steps.append(pod.ssh(
-        f"set -e; cd {d} && python3 -m pip install --user -q uv && ~/.local/bin/uv venv --allow-existing "
-        f"--python 3.11 .venv && ~/.local/bin/uv pip install --python .venv/bin/python {requirement} "
-        f"{shlex.quote(JAX_TPU)} && .venv/bin/intellect config show config.toml > /dev/null && "
-        "echo \"$(hostname): installed\""))
+    steps.append(
+        pod.ssh(
+            f"set -e; cd {d} && python3 -m pip install --user -q uv && ~/.local/bin/uv venv --allow-existing "
+            f"--python 3.11 .venv && ~/.local/bin/uv pip install --python .venv/bin/python {requirement} "
+            f"{shlex.quote(JAX_TPU)} && .venv/bin/intellect config show config.toml > /dev/null && "
+            'echo "$(hostname): installed"'
+        )
+    )
     if args.model_repo:
         target = shlex.quote(args.model_dir or f"{args.mount}/models/{args.model_repo.split('/')[-1]}")
-        steps.append(pod.ssh(
-            f"set -e; cd {d} && ~/.local/bin/uv pip install --python .venv/bin/python -q huggingface_hub && "
-            f".venv/bin/hf download {shlex.quote(args.model_repo)} --local-dir {target}", worker="0"))
+        steps.append(
+            pod.ssh(
+                f"set -e; cd {d} && ~/.local/bin/uv pip install --python .venv/bin/python -q huggingface_hub && "
+                f".venv/bin/hf download {shlex.quote(args.model_repo)} --local-dir {target}",
+                worker="0",
+            )
+        )
     return steps
 
 
@@ -115,13 +137,16 @@ def start(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
     overrides = args.overrides[1:] if args.overrides[:1] == ["--"] else args.overrides
     train = shlex.join([".venv/bin/intellect", "train", "config.toml", *overrides])
     d = REMOTE_DIR
-    return [pod.ssh(
-        f"set -e; cd {d} && if [ -f logs/train.pid ] && kill -0 \"$(cat logs/train.pid)\" 2>/dev/null; then "
-        "echo \"$(hostname): a learner is already running (logs/train.pid)\" >&2; exit 1; fi; "
-        "set -a; if [ -f secrets.env ]; then . ./secrets.env; fi; set +a; "
-        f"setsid nohup .venv/bin/python pkg/host_launch.py --port {args.port} -- {train} "
-        "> logs/train.log 2>&1 < /dev/null & echo $! > logs/train.pid; "
-        "echo \"$(hostname): learner started, pid $(cat logs/train.pid)\"")]
+    return [
+        pod.ssh(
+            f'set -e; cd {d} && if [ -f logs/train.pid ] && kill -0 "$(cat logs/train.pid)" 2>/dev/null; then '
+            'echo "$(hostname): a learner is already running (logs/train.pid)" >&2; exit 1; fi; '
+            "set -a; if [ -f secrets.env ]; then . ./secrets.env; fi; set +a; "
+            f"setsid nohup .venv/bin/python pkg/host_launch.py --port {args.port} -- {train} "
+            "> logs/train.log 2>&1 < /dev/null & echo $! > logs/train.pid; "
+            'echo "$(hostname): learner started, pid $(cat logs/train.pid)"'
+        )
+    ]
 
 
 def logs(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
@@ -131,12 +156,15 @@ def logs(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
 
 def stop(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
     d = REMOTE_DIR
-    return [pod.ssh(
-        f"cd {d} && if [ -f logs/train.pid ]; then pid=$(cat logs/train.pid); "
-        f"kill -TERM -- -$pid 2>/dev/null || true; for _ in $(seq {args.grace_s}); do "
-        "kill -0 $pid 2>/dev/null || break; sleep 1; done; kill -KILL -- -$pid 2>/dev/null || true; "
-        "rm -f logs/train.pid; echo \"$(hostname): learner stopped\"; "
-        "else echo \"$(hostname): no learner running\"; fi")]
+    return [
+        pod.ssh(
+            f"cd {d} && if [ -f logs/train.pid ]; then pid=$(cat logs/train.pid); "
+            f"kill -TERM -- -$pid 2>/dev/null || true; for _ in $(seq {args.grace_s}); do "
+            "kill -0 $pid 2>/dev/null || break; sleep 1; done; kill -KILL -- -$pid 2>/dev/null || true; "
+            'rm -f logs/train.pid; echo "$(hostname): learner stopped"; '
+            'else echo "$(hostname): no learner running"; fi'
+        )
+    ]
 
 
 def delete(pod: Pod, args: argparse.Namespace) -> list[list[str]]:
@@ -147,16 +175,19 @@ ACTIONS = {"create": create, "install": install, "start": start, "logs": logs, "
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     subs = {}
-    for name, help_text in (("create", "create the TPU VM or pod slice"),
-                            ("install", "install the package, config and secrets on every host"),
-                            ("start", "start `intellect train` on every host"),
-                            ("logs", "print (and follow) the learner's log"),
-                            ("stop", "stop the learner on every host"),
-                            ("delete", "delete the TPU VM or pod slice")):
+    for name, help_text in (
+        ("create", "create the TPU VM or pod slice"),
+        ("install", "install the package, config and secrets on every host"),
+        ("start", "start `intellect train` on every host"),
+        ("logs", "print (and follow) the learner's log"),
+        ("stop", "stop the learner on every host"),
+        ("delete", "delete the TPU VM or pod slice"),
+    ):
         sub = subs[name] = actions.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--name", required=True, help="TPU VM name")
         sub.add_argument("--zone", required=True, help="zone, e.g. us-east5-a (v5p)")
@@ -172,11 +203,15 @@ def build_parser() -> argparse.ArgumentParser:
     inst.add_argument("--mount", default="/mnt/intellect", help="where --nfs is mounted")
     inst.add_argument("--model-repo", help="Hugging Face repo downloaded once, by host 0, onto the shared mount")
     inst.add_argument("--model-dir", help="download target of --model-repo (default: MOUNT/models/NAME)")
-    inst.add_argument("--build-dir", default=str(Path(tempfile.gettempdir()) / "intellect-wheel"),
-                      help="local directory the wheel is built in")
+    inst.add_argument(
+        "--build-dir",
+        default=str(Path(tempfile.gettempdir()) / "intellect-wheel"),
+        help="local directory the wheel is built in",
+    )
     subs["start"].add_argument("--port", type=int, default=8482, help="jax.distributed coordinator port")
-    subs["start"].add_argument("overrides", nargs=argparse.REMAINDER,
-                               help="-- then --section.key VALUE overrides for intellect train")
+    subs["start"].add_argument(
+        "overrides", nargs=argparse.REMAINDER, help="-- then --section.key VALUE overrides for intellect train"
+    )
     subs["logs"].add_argument("--worker", default="0", help="host index, or 'all'")
     subs["logs"].add_argument("--lines", type=int, default=200, help="lines of the log to show")
     subs["logs"].add_argument("--follow", action="store_true", help="keep following the log")

@@ -34,8 +34,9 @@ def tampered(src: Path, version: int, noise: float) -> Path:
         tensors = load_file(f)
         for name, t in tensors.items():
             if t.is_floating_point():
-                tensors[name] = (t.float() + torch.randn(t.shape, generator=gen) * noise
-                                 * t.float().std().clamp_min(1e-3)).to(t.dtype)
+                tensors[name] = (
+                    t.float() + torch.randn(t.shape, generator=gen) * noise * t.float().std().clamp_min(1e-3)
+                ).to(t.dtype)
         save_file(tensors, tmp / f.name, metadata={"format": "pt"})
     tmp.rename(out)
     return out

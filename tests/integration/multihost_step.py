@@ -1,6 +1,6 @@
 """One GRPO step on a tiny random model, printed as JSON; run by test_multihost.py in 1 or 2 processes.
 
-    python multihost_step.py PROCESS_ID NUM_PROCESSES PORT     (XLA_FLAGS sets the local CPU device count)
+python multihost_step.py PROCESS_ID NUM_PROCESSES PORT     (XLA_FLAGS sets the local CPU device count)
 """
 
 import json
@@ -22,14 +22,31 @@ def main() -> None:
     from jax_trainer.source import InMemorySource, Rollout
     from jax_trainer.train_step import GRPOTrainer
 
-    cfg = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qkv_bias=True,
+    )
 
     def rollouts(position):
         rng = np.random.default_rng(position)
-        return [Rollout(rng.integers(0, 96, 20).astype(np.int32), 4,
-                        np.r_[np.zeros(4), -rng.random(16)].astype(np.float32), float(rng.random()), i // 4, 0)
-                for i in range(16)]
+        return [
+            Rollout(
+                rng.integers(0, 96, 20).astype(np.int32),
+                4,
+                np.r_[np.zeros(4), -rng.random(16)].astype(np.float32),
+                float(rng.random()),
+                i // 4,
+                0,
+            )
+            for i in range(16)
+        ]
 
     mesh = make_mesh(data=2, fsdp=2, tensor=2)
     model = init_random(cfg, mesh=mesh, seed=0)
@@ -40,8 +57,17 @@ def main() -> None:
     for _ in range(2):
         state, metrics = trainer.step(state, trainer.device_batch(source.next(0).packed))
         losses.append(float(np.asarray(metrics["loss"].addressable_data(0))))
-    print(json.dumps({"process": jax.process_index(), "processes": jax.process_count(),
-                      "devices": jax.device_count(), "losses": losses}), flush=True)
+    print(
+        json.dumps(
+            {
+                "process": jax.process_index(),
+                "processes": jax.process_count(),
+                "devices": jax.device_count(),
+                "losses": losses,
+            }
+        ),
+        flush=True,
+    )
     if nproc > 1:
         jax.distributed.shutdown()
 

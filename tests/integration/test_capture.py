@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_workers.capture import ProofCapture, _install
 from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
+from gpu_workers.capture import ProofCapture, _install
 from gpu_workers.checks import Declared, Sample, stop_token_ids, validate_batch
 from gpu_workers.scoring import hf_forward
 from gpu_workers.toploc import Thresholds, verify_proofs
@@ -32,9 +32,17 @@ def model(tiny_model):
 def llm(model):
     from vllm import LLM
 
-    engine = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=320,
-                 enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=32,
-                 logprobs_mode="processed_logprobs")
+    engine = LLM(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=320,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=32,
+        logprobs_mode="processed_logprobs",
+    )
     yield engine
     engine.llm_engine.engine_core.shutdown()
     del engine
@@ -50,7 +58,7 @@ def _assert_rows_match_hf(model, completions) -> None:
     reference = hf_forward(model, [c.prompt_tokens + c.tokens for c in completions], dtype="float32")
     for i, (c, ref) in enumerate(zip(completions, reference)):
         start = len(c.prompt_tokens) - 1
-        expected = ref.hidden[start:start + len(c.tokens)]
+        expected = ref.hidden[start : start + len(c.tokens)]
         assert c.hidden.dtype == torch.float32 and c.hidden.shape == expected.shape, i
         np.testing.assert_allclose(c.hidden.numpy(), expected, rtol=1e-4, atol=1e-4, err_msg=f"request {i}")
         hf_bf16 = torch.from_numpy(expected).to(torch.bfloat16)
@@ -75,11 +83,11 @@ def test_rows_follow_each_request_through_a_mixed_concurrent_batch(llm, model):
         plain = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         again = capture.generate(prompts[::-1], params[::-1])  # other order, after a generate without capture
     assert [c.tokens for c in completions] == [list(o.outputs[0].token_ids) for o in plain]
-    for c, p, m in zip(completions[:len(max_tokens)], prompts, max_tokens):
+    for c, p, m in zip(completions[: len(max_tokens)], prompts, max_tokens):
         assert c.prompt_tokens == p and 1 <= len(c.tokens) <= m
         assert c.finish == FINISH_LENGTH if len(c.tokens) == m else c.finish == FINISH_STOP
     assert [(len(c.tokens), c.finish) for c in completions[-2:]] == [(1, FINISH_STOP)] * 2
-    assert [len(c.tokens) for c in completions[:len(max_tokens)]].count(1) >= 3
+    assert [len(c.tokens) for c in completions[: len(max_tokens)]].count(1) >= 3
     assert [c.tokens for c in again] == [c.tokens for c in completions[::-1]]
     _assert_rows_match_hf(model, completions)
     for a, b in zip(again, completions[::-1]):
@@ -103,8 +111,11 @@ def test_close_removes_the_hook_and_n_above_one_is_refused(llm):
 def test_install_refuses_engines_it_cannot_capture_from():
     def worker(eager=True, speculative=None, model=None):
         config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager), speculative_config=speculative)
-        return SimpleNamespace(model_runner=SimpleNamespace(
-            vllm_config=config, model=model or SimpleNamespace(model=SimpleNamespace(norm=torch.nn.Identity()))))
+        return SimpleNamespace(
+            model_runner=SimpleNamespace(
+                vllm_config=config, model=model or SimpleNamespace(model=SimpleNamespace(norm=torch.nn.Identity()))
+            )
+        )
 
     assert "enforce_eager=True" in _install(worker(eager=False))
     assert "speculative decoding" in _install(worker(speculative=object()))
@@ -125,10 +136,17 @@ def test_report_float32_generation_declared_as_bf16(llm, model):
     prompts = _prompts(3, rng.integers(5, 40, 32).tolist())
     with ProofCapture(llm) as capture:
         completions = capture.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=33))
-    samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
-                      finish=c.finish, proofs=b"".join(c.proofs)) for c in completions]
-    declared = Declared(temperature=0.7, top_p=0.9, max_tokens=33, stop_token_ids=stop_token_ids(model),
-                        sampler="vllm")
+    samples = [
+        Sample(
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.tokens,
+            logprobs=c.logprobs,
+            finish=c.finish,
+            proofs=b"".join(c.proofs),
+        )
+        for c in completions
+    ]
+    declared = Declared(temperature=0.7, top_p=0.9, max_tokens=33, stop_token_ids=stop_token_ids(model), sampler="vllm")
     verdict = validate_batch(samples, Prefill(model, dtype="bfloat16"), declared)
     print(f"\nREPORT float32 generation declared as bf16: {verdict.summary()}")
     assert verdict.summary()["average"]["mant_err_mean"] > 0  # float32 states really differ from bf16 ones

@@ -65,11 +65,15 @@ def _transformers_greedy_accuracy(model_dir, config_path) -> float:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     right = 0
     for task in tasks:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": task.prompt}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": task.prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=[0, 2], pad_token_id=0)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         right += text.strip() == task.answer
     return right / len(tasks)
 
@@ -80,8 +84,24 @@ def test_sft_then_eval(tiny_model, tmp_path):
     config = tmp_path / "recipe.toml"
     config.write_text(RECIPE.format(run_dir=tmp_path / "run", model=base))
     sft_dir = tmp_path / "sft"
-    assert main(["sft", str(config), "--steps", "40", "--lr", "3e-3", "--batch-size", "64", "--out", str(sft_dir),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "sft",
+                str(config),
+                "--steps",
+                "40",
+                "--lr",
+                "3e-3",
+                "--batch-size",
+                "64",
+                "--out",
+                str(sft_dir),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41)) and {r["role"] for r in records} == {"sft"}
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]

@@ -5,7 +5,7 @@ transformers in bfloat16, on a model with Qwen2.5's 151,936-token vocabulary. Th
 alone, and that error grows with the model (the Qwen2.5-0.5B shape reached a mean |difference| of 0.064 per
 sample, past the 0.05 a float32 pool allows). The smallest model here that shows the growth (hidden 256, 4
 layers) must stay within half of every bound, so that larger honest models keep passing; a logprob shifted one
-way is still caught (tests/unit/test_checks.py).
+way is still caught (tests/unit/gpu_workers/test_checks.py).
 """
 
 from __future__ import annotations
@@ -31,10 +31,25 @@ def test_an_honest_bfloat16_batch_passes_within_half_of_its_bounds(tiny_model):
         out = engine.generate(prompts, list(range(16)), temperature=1.0, max_tokens=32)
     finally:
         engine.close()
-    samples = [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
-                      finish=c.finish, proofs=b"".join(c.proofs), seed=i) for i, c in enumerate(out)]
-    declared = Declared(temperature=1.0, top_p=1.0, max_tokens=32, stop_token_ids=stop_token_ids(model),
-                        max_model_len=96, dtype="bfloat16")
+    samples = [
+        Sample(
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.tokens,
+            logprobs=c.logprobs,
+            finish=c.finish,
+            proofs=b"".join(c.proofs),
+            seed=i,
+        )
+        for i, c in enumerate(out)
+    ]
+    declared = Declared(
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=32,
+        stop_token_ids=stop_token_ids(model),
+        max_model_len=96,
+        dtype="bfloat16",
+    )
     verdict = validate_batch(samples, Prefill(model, dtype="bfloat16"), declared)
     assert verdict.accepted, [(s.index, s.failed) for s in verdict.samples if not s.accepted]
     sampling = [v.numbers for s in verdict.samples for v in s.verdicts if v.check == "sampling"]

@@ -9,8 +9,9 @@ from safetensors.numpy import load_file
 
 
 def _intellect(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "intellect", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "intellect", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _tensors(model_dir):

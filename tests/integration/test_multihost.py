@@ -15,10 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _launch(pid: int, nproc: int, port: int, devices: int) -> subprocess.Popen:
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, str(SCRIPT), str(pid), str(nproc), str(port)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(pid), str(nproc), str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(proc: subprocess.Popen) -> dict:

@@ -7,29 +7,32 @@ import json
 import pytest
 import requests
 import schemathesis
-from schemathesis import GenerationMode
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import OrchestratorProcess
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from bridge.protocol import HardwareReport, OrchestratorClient, sign_request
-from helpers import OrchestratorProcess
 
 TOKEN = "fuzz-token"
 EXAMPLES = 12
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     config = tmp / "fuzz.toml"
-    config.write_text(f'[run]\ndir = "{tmp / "run"}"\n[orchestrator]\nallow_cpu_nodes = true\n'
-                      f'admin_token = "{TOKEN}"\nsubmit_rate_per_min = 1e6\nsubmit_burst = 100000\n'
-                      'register_rate_per_min = 1e6\nregister_burst = 100000\n')
+    config.write_text(
+        f'[run]\ndir = "{tmp / "run"}"\n[orchestrator]\nallow_cpu_nodes = true\n'
+        f'admin_token = "{TOKEN}"\nsubmit_rate_per_min = 1e6\nsubmit_burst = 100000\n'
+        "register_rate_per_min = 1e6\nregister_burst = 100000\n"
+    )
     proc = OrchestratorProcess(tmp / "server.log", config).start()
     yield proc
     proc.stop()
@@ -69,11 +72,13 @@ def _fuzz(api_schema, **call_kwargs) -> None:
     assert len(operations) >= 12
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
             @FUZZ
             @given(case=operation.as_strategy(generation_mode=mode))
             def check(case):
-                checks = [not_a_server_error] + ([response_schema_conformance] if mode == GenerationMode.POSITIVE
-                                                 else [])
+                checks = [not_a_server_error] + (
+                    [response_schema_conformance] if mode == GenerationMode.POSITIVE else []
+                )
                 case.call_and_validate(checks=checks, timeout=30, **call_kwargs)
 
             try:
@@ -96,8 +101,17 @@ def test_generated_signed_requests_never_get_a_5xx(api_schema, signer):
 
 # Values Python's json module accepts and the models or the reply encoder choke on, and bodies nested past any
 # parser's patience: each in place of the whole body, of every top-level field, and inside a field.
-HOSTILE = [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e999", b'"\\ud800"', b'"\\udfff x"', b'"\xed\xa0\x80"',
-           b"9" * 5000]
+HOSTILE = [
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"1e999",
+    b"-1e999",
+    b'"\\ud800"',
+    b'"\\udfff x"',
+    b'"\xed\xa0\x80"',
+    b"9" * 5000,
+]
 DEEP = b"[" * 150_000 + b"]" * 150_000
 ECHOES = (b"NaN", b"Infinity", b"1e999", b"ud800", b"udfff", b"\xed\xa0\x80", b"99999", b"[[[[")
 
@@ -125,8 +139,10 @@ def test_hostile_values_in_every_operation_never_get_a_5xx(fuzz_server, signer):
         for path, methods in doc["paths"].items():
             for method, operation in methods.items():
                 url = fuzz_server.url + path.format(**params)
-                requests_to_send = [dict(url=url, data=body, headers={"Content-Type": "application/json"})
-                                    for body in _bodies(doc, operation)]
+                requests_to_send = [
+                    dict(url=url, data=body, headers={"Content-Type": "application/json"})
+                    for body in _bodies(doc, operation)
+                ]
                 for q in (p["name"] for p in operation.get("parameters", ()) if p["in"] == "query"):
                     requests_to_send += [dict(url=f"{url}?{q}={v}") for v in ("NaN", "1e999", "%ED%A0%80", "9" * 5000)]
                 for request in requests_to_send:

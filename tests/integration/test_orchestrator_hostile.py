@@ -16,10 +16,17 @@ import time
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-from bridge.protocol import (BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, RetryPolicy,
-                             Verdict, sign_request)
 from helpers import OrchestratorProcess
+
+from bridge.protocol import (
+    BatchAnnouncement,
+    HardwareReport,
+    OrchestratorClient,
+    OrchestratorError,
+    RetryPolicy,
+    Verdict,
+    sign_request,
+)
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)
 TOKEN = "hostile-admin"
@@ -35,7 +42,7 @@ def config(tmp_path, orchestrator: str = "", prompts_per_step: int = 4, liveness
     path = tmp_path / "hostile.toml"
     path.write_text(f"""
 [run]
-dir = "{tmp_path / 'run'}"
+dir = "{tmp_path / "run"}"
 [orchestrator]
 allow_cpu_nodes = true
 admin_token = "{TOKEN}"
@@ -69,9 +76,17 @@ def join(url, role, source=None) -> OrchestratorClient:
 
 def announce(worker, a, name):
     n = a.prompts * a.samples_per_prompt
-    return worker.announce_batch(BatchAnnouncement(
-        batch_id=name, assignment_id=a.id, version=a.version, num_samples=n, num_tokens=5 * n,
-        store_path=f"file:///store/v{a.version:06d}/{name}", sha256="cd" * 32))
+    return worker.announce_batch(
+        BatchAnnouncement(
+            batch_id=name,
+            assignment_id=a.id,
+            version=a.version,
+            num_samples=n,
+            num_tokens=5 * n,
+            store_path=f"file:///store/v{a.version:06d}/{name}",
+            sha256="cd" * 32,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +94,11 @@ def pool(tmp_path_factory):
     """Window capacity (1 + 1) x ceil(4 / 2) = 4, of which fresh keys may hold 2; assignments expire after 2 s;
     two strikes ban; registrations: 40 at once per address."""
     tmp = tmp_path_factory.mktemp("pool")
-    proc = OrchestratorProcess(tmp / "server.log", config(tmp, """
+    proc = OrchestratorProcess(
+        tmp / "server.log",
+        config(
+            tmp,
+            """
 assignment_deadline_s = 2.0
 ban_after_rejections = 2
 rejection_window_s = 600
@@ -88,7 +107,9 @@ register_burst = 40
 register_rate_per_min = 60
 submit_burst = 100
 page_size = 5
-""")).start()
+""",
+        ),
+    ).start()
     yield proc
     proc.stop()
     assert "Traceback" not in proc.log(), proc.log()[-3000:]
@@ -144,10 +165,19 @@ def test_weak_public_keys_are_refused(pool):
     """The identity point (01 00...00), its non-canonical encoding (y = p + 1) and another small-order point, each
     with a signature that the curve equation accepts for any message (R = identity, S = 0)."""
     body = json.dumps({"role": "worker", "hardware": HW.model_dump()}).encode()
-    for key, words in (("01" + "00" * 31, "small order"), ("ee" + "ff" * 30 + "7f", "non-canonical"),
-                       ("00" * 32, "small order"), ("ec" + "ff" * 30 + "7f", "small order")):
-        headers = {"X-Node-Key": key, "X-Timestamp": str(int(time.time() * 1000)), "X-Nonce": "ab" * 8,
-                   "X-Signature": "01" + "00" * 63, **JSON}
+    for key, words in (
+        ("01" + "00" * 31, "small order"),
+        ("ee" + "ff" * 30 + "7f", "non-canonical"),
+        ("00" * 32, "small order"),
+        ("ec" + "ff" * 30 + "7f", "small order"),
+    ):
+        headers = {
+            "X-Node-Key": key,
+            "X-Timestamp": str(int(time.time() * 1000)),
+            "X-Nonce": "ab" * 8,
+            "X-Signature": "01" + "00" * 63,
+            **JSON,
+        }
         reply = httpx.post(pool.url + "/v1/nodes/register", content=body, headers=headers)
         assert reply.status_code == 401 and words in reply.json()["detail"], (key, reply.text)
     keys = {n.key for n in client(pool.url, token=TOKEN).nodes().nodes}
@@ -186,12 +216,25 @@ def test_without_a_content_type_the_fast_lane_answers_as_fastapi_does(pool):
     """Heartbeat, announce, claim and verdict with a valid JSON body and no Content-Type: FastAPI's 422 (the body
     is not JSON to FastAPI), and no state changes (no assignment issued by that heartbeat)."""
     worker, validator = join(pool.url, "worker"), join(pool.url, "validator")
-    cases = [(worker, "/v1/nodes/heartbeat", {"loaded_versions": [], "metrics": {}}),
-             (worker, "/v1/batches", {"batch_id": "nct", "assignment_id": 1, "version": 0, "num_samples": 4,
-                                      "num_tokens": 1, "store_path": "x/v000000/nct", "sha256": "00" * 32}),
-             (validator, "/v1/validation/claim", {}),
-             (validator, "/v1/batches/nct/verdict", {"accepted": False, "reason": "x", "num_tokens": 0}),
-             (worker, "/v1/nodes/register", {"role": "worker", "hardware": HW.model_dump()})]  # FastAPI's own
+    cases = [
+        (worker, "/v1/nodes/heartbeat", {"loaded_versions": [], "metrics": {}}),
+        (
+            worker,
+            "/v1/batches",
+            {
+                "batch_id": "nct",
+                "assignment_id": 1,
+                "version": 0,
+                "num_samples": 4,
+                "num_tokens": 1,
+                "store_path": "x/v000000/nct",
+                "sha256": "00" * 32,
+            },
+        ),
+        (validator, "/v1/validation/claim", {}),
+        (validator, "/v1/batches/nct/verdict", {"accepted": False, "reason": "x", "num_tokens": 0}),
+        (worker, "/v1/nodes/register", {"role": "worker", "hardware": HW.model_dump()}),
+    ]  # FastAPI's own
     answers = []
     for node, path, payload in cases:
         body = json.dumps(payload).encode()
@@ -210,8 +253,12 @@ def test_one_batch_id_definition():
     from bridge.protocol import BATCH_ID_PATTERN
 
     root = Path(__file__).resolve().parents[2]
-    declared = [p.relative_to(root).as_posix() for d in ("bridge", "orchestrator") for p in (root / d).rglob("*.py")
-                if "A-Za-z0-9._-]{0,127}" in p.read_text()]
+    declared = [
+        p.relative_to(root).as_posix()
+        for d in ("bridge", "orchestrator")
+        for p in (root / d).rglob("*.py")
+        if "A-Za-z0-9._-]{0,127}" in p.read_text()
+    ]
     assert declared == ["bridge/protocol/messages.py"]
     assert bridge.rollouts._BATCH_ID.pattern == BATCH_ID_PATTERN
 
@@ -221,8 +268,17 @@ def test_batch_listing_without_the_token_shows_public_fields_only(pool):
     admin = client(pool.url, token=TOKEN)
     for a in worker.heartbeat().assignments:
         announce(worker, a, f"public-{a.id}")
-    private = {"store_path", "sha256", "claimed_by", "validator_key", "rewards", "reason", "failed_checks",
-               "lease_expires_at", "verified_tokens"}
+    private = {
+        "store_path",
+        "sha256",
+        "claimed_by",
+        "validator_key",
+        "rewards",
+        "reason",
+        "failed_checks",
+        "lease_expires_at",
+        "verified_tokens",
+    }
     public = httpx.get(pool.url + "/v1/batches", params={"status": "submitted"}).json()["batches"]
     assert public and all(not private & set(b) for b in public)
     full = httpx.get(pool.url + "/v1/batches", params={"status": "submitted"}, headers=ADMIN).json()["batches"]
@@ -269,8 +325,11 @@ def test_registrations_are_rate_limited_per_address(pool):
     body = json.dumps({"role": "worker", "hardware": HW.model_dump()}).encode()
     for _ in range(45):
         key = Ed25519PrivateKey.generate()
-        reply = flood.post(pool.url + "/v1/nodes/register", content=body,
-                           headers={**sign_request(key, "POST", "/v1/nodes/register", body), **JSON})
+        reply = flood.post(
+            pool.url + "/v1/nodes/register",
+            content=body,
+            headers={**sign_request(key, "POST", "/v1/nodes/register", body), **JSON},
+        )
         statuses.append(reply.status_code)
     assert statuses[:40] == [200] * 40 and statuses[40:].count(429) >= 3  # (a token refills every second)
     assert int(reply.headers["Retry-After"]) >= 1 and "registrations from one address" in reply.json()["detail"]
@@ -280,6 +339,7 @@ def test_registrations_are_rate_limited_per_address(pool):
 
 
 # -- 2. replays across restarts -----------------------------------------------------------------------------------
+
 
 def test_a_restart_does_not_reopen_old_signatures(tmp_path):
     """Requests stamped 2 s in the future (within the allowed skew), sent once, are replayed after a clean restart
@@ -323,17 +383,24 @@ def test_a_restart_does_not_reopen_old_signatures(tmp_path):
 
 # -- 3. connection limits ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("limits")
-    proc = OrchestratorProcess(tmp / "server.log", config(tmp, """
+    proc = OrchestratorProcess(
+        tmp / "server.log",
+        config(
+            tmp,
+            """
 max_connections = 48
 max_connections_per_ip = 6
 max_header_kib = 8
 header_timeout_s = 2.0
 body_timeout_s = 1.0
 keepalive_s = 1.5
-""")).start()
+""",
+        ),
+    ).start()
     yield proc
     proc.stop()
 
@@ -362,7 +429,9 @@ def read_response(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length"))
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
@@ -418,8 +487,7 @@ def test_slow_heads_slow_bodies_and_idle_connections_are_closed(limited):
     kept = connect(limited, "127.0.0.4")
     kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     assert read_response(kept).startswith(b"HTTP/1.1 200")  # then silent on a kept-alive connection
-    answers = {name: read_all(sock) for name, sock in (("head", head), ("body", body), ("idle", idle),
-                                                       ("kept", kept))}
+    answers = {name: read_all(sock) for name, sock in (("head", head), ("body", body), ("idle", idle), ("kept", kept))}
     elapsed = time.monotonic() - start
     assert answers["head"].startswith(b"HTTP/1.1 408") and answers["body"].startswith(b"HTTP/1.1 408")
     assert answers["idle"] == b"" and answers["kept"] == b""  # closed without a word
@@ -474,6 +542,7 @@ def test_the_total_limit_displaces_the_longest_idle_connection(limited):
 
 # -- 8. public pages at 100,000 nodes ------------------------------------------------------------------------------
 
+
 def test_public_pages_and_listings_stay_fast_at_100k_nodes(tmp_path):
     """A database of 100,000 nodes and 50,000 judged batches (written directly, before the service starts): the
     dashboard, the ledger (JSON and CSV), the public batch listing and the admin node list each answer one
@@ -490,26 +559,48 @@ def test_public_pages_and_listings_stay_fast_at_100k_nodes(tmp_path):
     now = time.time()
     keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(100_000)]
     with sqlite3.connect(db_file) as conn:
-        conn.executemany("INSERT INTO nodes (key, role, state, banned, hardware, first_seen, last_seen) "
-                         "VALUES (?, 'worker', 'healthy', 0, '{}', ?, ?)", ((k, now, now) for k in keys))
+        conn.executemany(
+            "INSERT INTO nodes (key, role, state, banned, hardware, first_seen, last_seen) "
+            "VALUES (?, 'worker', 'healthy', 0, '{}', ?, ?)",
+            ((k, now, now) for k in keys),
+        )
         conn.executemany(
             "INSERT INTO assignments (node_key, version, k, prompts, samples_per_prompt, state, issued_at, batch_id,"
             " store_path, sha256, num_samples, num_tokens, announced_at, validator_key, verdict_at, verdict_seq,"
             " failed_checks, rewards, verified_tokens, delivered_at) VALUES (?, 0, 0, 2, 2, ?, ?, ?, ?, ?, 4, 40, ?,"
             " ?, ?, ?, ?, ?, 40, ?)",
-            ((keys[i], "accepted" if i % 10 else "rejected", now, f"b{i}", f"s/v000000/b{i}", "ab" * 32, now,
-              "cd" * 32, now, i + 1, "[]" if i % 10 else '["toploc"]', "[1.0, 1.0, 1.0, 1.0]" if i % 10 else None,
-              now) for i in range(0, 100_000, 2)))
+            (
+                (
+                    keys[i],
+                    "accepted" if i % 10 else "rejected",
+                    now,
+                    f"b{i}",
+                    f"s/v000000/b{i}",
+                    "ab" * 32,
+                    now,
+                    "cd" * 32,
+                    now,
+                    i + 1,
+                    "[]" if i % 10 else '["toploc"]',
+                    "[1.0, 1.0, 1.0, 1.0]" if i % 10 else None,
+                    now,
+                )
+                for i in range(0, 100_000, 2)
+            ),
+        )
     print(f"database written in {time.time() - now:.1f} s")
     proc = OrchestratorProcess(tmp_path / "server.log", path).start(timeout_s=120)
     print(f"service up in {time.time() - now:.1f} s")
     try:
         worker = join(proc.url, "worker")
-        pages = {"dashboard": ("/", {}), "ledger": ("/v1/ledger", {}),
-                 "ledger_csv": ("/v1/ledger", {"params": {"format": "csv"}}),
-                 "batches": ("/v1/batches", {"params": {"limit": 1000}}),
-                 "nodes": ("/v1/nodes", {"headers": ADMIN}),
-                 "dashboard_page_500": ("/", {"params": {"after": keys[500]}})}
+        pages = {
+            "dashboard": ("/", {}),
+            "ledger": ("/v1/ledger", {}),
+            "ledger_csv": ("/v1/ledger", {"params": {"format": "csv"}}),
+            "batches": ("/v1/batches", {"params": {"limit": 1000}}),
+            "nodes": ("/v1/nodes", {"headers": ADMIN}),
+            "dashboard_page_500": ("/", {"params": {"after": keys[500]}}),
+        }
         took = {}
         with httpx.Client(base_url=proc.url, timeout=60) as http:
             for name, (route, kwargs) in pages.items():

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
+from helpers import free_port
 
 from bridge.protocol import BatchAnnouncement, HardwareReport, OrchestratorClient, RetryPolicy, Verdict
 from intellect.config_io import load_config
 from intellect.orchestrator_cli import build_app
-from helpers import free_port
 
 INITDB, PG_CTL = shutil.which("initdb"), shutil.which("pg_ctl")
 pytest.importorskip("psycopg", reason="PostgreSQL driver psycopg not installed")
@@ -40,11 +40,24 @@ def postgres_url():
     if os.geteuid() == 0:
         shutil.chown(root, "postgres")
     data, port = root / "data", free_port()
-    run = lambda argv: subprocess.run(_as_postgres_user(argv), capture_output=True, text=True, timeout=120)  # noqa: E731
+    run = lambda argv: subprocess.run(_as_postgres_user(argv), capture_output=True, text=True, timeout=120)
     init = run([INITDB, "-D", str(data), "-A", "trust", "-U", "postgres"])
     assert init.returncode == 0, init.stderr
-    start = run([PG_CTL, "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60", "-o",
-                 f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"])
+    start = run(
+        [
+            PG_CTL,
+            "-D",
+            str(data),
+            "-l",
+            str(root / "log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            f"-p {port} -k {root} -c listen_addresses=127.0.0.1",
+            "start",
+        ]
+    )
     assert start.returncode == 0, start.stderr + (root / "log").read_text()
     yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
     run([PG_CTL, "-D", str(data), "-m", "immediate", "stop"])
@@ -52,24 +65,37 @@ def postgres_url():
 
 
 def test_work_flow_and_restart_on_postgresql(postgres_url, tmp_path):
-    cfg = load_config(None, [f"--run.dir={tmp_path}", "--orchestrator.allow_cpu_nodes=true",
-                             "--orchestrator.admin_token=tok"], env={})
+    cfg = load_config(
+        None, [f"--run.dir={tmp_path}", "--orchestrator.allow_cpu_nodes=true", "--orchestrator.admin_token=tok"], env={}
+    )
     hw = HardwareReport(cpu_count=1, memory_gib=1)
     worker_key, validator_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     for round_ in range(2):  # the second round is a restart on the same database
         app = build_app(cfg, database_url=postgres_url)
         assert app.state.orchestrator.wal is None  # PostgreSQL makes its commits durable itself
         with TestClient(app) as http:
-            client = lambda **kw: OrchestratorClient("http://testserver", http=http,  # noqa: E731
-                                                     retry=RetryPolicy(attempts=1), **kw)
+            client = lambda **kw: OrchestratorClient(
+                "http://testserver",
+                http=http,
+                retry=RetryPolicy(attempts=1),
+                **kw,
+            )
             worker, validator, admin = client(key=worker_key), client(key=validator_key), client(admin_token="tok")
             assert worker.register("worker", hw).status == validator.register("validator", hw).status == "admitted"
             [a] = worker.heartbeat().assignments
             assert (a.version, a.k) == (round_, 0)  # version 1 was announced before the restart
             n, name = a.prompts * a.samples_per_prompt, f"pg-{round_}"
-            worker.announce_batch(BatchAnnouncement(batch_id=name, assignment_id=a.id, version=a.version,
-                                                    store_path=f"mem://s/v{a.version:06d}/{name}", sha256="ab" * 32,
-                                                    num_samples=n, num_tokens=3 * n))
+            worker.announce_batch(
+                BatchAnnouncement(
+                    batch_id=name,
+                    assignment_id=a.id,
+                    version=a.version,
+                    store_path=f"mem://s/v{a.version:06d}/{name}",
+                    sha256="ab" * 32,
+                    num_samples=n,
+                    num_tokens=3 * n,
+                )
+            )
             assert validator.claim().batch.batch_id == name
             validator.verdict(name, Verdict(accepted=True, rewards=[0.5] * n, num_tokens=3 * n))
             records, _ = admin.all_batches()

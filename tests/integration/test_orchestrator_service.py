@@ -17,12 +17,21 @@ import time
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from helpers import OrchestratorProcess, free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.assignment import assigned_task_ids
-from bridge.protocol import (AsyncOrchestratorClient, BatchAnnouncement, HardwareReport, OrchestratorClient,
-                             OrchestratorError, RetryPolicy, Verdict, sign_request, solve_challenge)
-from helpers import OrchestratorProcess, free_port
+from bridge.protocol import (
+    AsyncOrchestratorClient,
+    BatchAnnouncement,
+    HardwareReport,
+    OrchestratorClient,
+    OrchestratorError,
+    RetryPolicy,
+    Verdict,
+    sign_request,
+    solve_challenge,
+)
 
 HW = HardwareReport(cpu_count=2, memory_gib=4)
 TOKEN = "admin-secret"
@@ -56,8 +65,17 @@ async_level = 1
 def write_config(tmp_path, rate=60, burst=5, prompts_per_step=16, skew=30.0):
     """Room in the async window: (async_level 1 + 1) x prompts_per_step / 2 prompts per assignment."""
     path = tmp_path / "orchestrator.toml"
-    path.write_text(BASE_CONFIG.format(dir=tmp_path / "run", token=TOKEN, rate=rate, burst=burst, skew=skew,
-                                       prompts=prompts_per_step, batch=2 * prompts_per_step))
+    path.write_text(
+        BASE_CONFIG.format(
+            dir=tmp_path / "run",
+            token=TOKEN,
+            rate=rate,
+            burst=burst,
+            skew=skew,
+            prompts=prompts_per_step,
+            batch=2 * prompts_per_step,
+        )
+    )
     return path
 
 
@@ -80,15 +98,25 @@ def join(url, role, key=None, retry=RetryPolicy(attempts=1)) -> OrchestratorClie
 
 def submit(worker, assignment, batch_id):
     n = assignment.prompts * assignment.samples_per_prompt
-    return worker.announce_batch(BatchAnnouncement(
-        batch_id=batch_id, assignment_id=assignment.id, version=assignment.version, num_samples=n, num_tokens=7 * n,
-        store_path=f"file:///rollouts/v{assignment.version:06d}/{batch_id}",
-        sha256=hashlib.sha256(batch_id.encode()).hexdigest()))
+    return worker.announce_batch(
+        BatchAnnouncement(
+            batch_id=batch_id,
+            assignment_id=assignment.id,
+            version=assignment.version,
+            num_samples=n,
+            num_tokens=7 * n,
+            store_path=f"file:///rollouts/v{assignment.version:06d}/{batch_id}",
+            sha256=hashlib.sha256(batch_id.encode()).hexdigest(),
+        )
+    )
 
 
 def metric_values(text):
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_work_flow_ledger_and_metrics(server):
@@ -105,13 +133,17 @@ def test_work_flow_ledger_and_metrics(server):
     [b] = worker.heartbeat().assignments  # a's batch is announced: a new one
     submit(worker, b, "flow-bad")
     validator.claim()
-    validator.verdict("flow-bad", Verdict(accepted=False, failed_checks=["toploc"], reason="proof mismatch",
-                                          num_tokens=28))
+    validator.verdict(
+        "flow-bad", Verdict(accepted=False, failed_checks=["toploc"], reason="proof mismatch", num_tokens=28)
+    )
 
     accepted = admin.batches(status="accepted", min_version=0)
     [rec] = [r for r in accepted.batches if r.batch_id == "flow-ok"]
-    assert (rec.rewards, rec.verified_tokens, rec.sha256) == ([1.0, 0.0, 0.25, 1.0], 27,
-                                                             hashlib.sha256(b"flow-ok").hexdigest())
+    assert (rec.rewards, rec.verified_tokens, rec.sha256) == (
+        [1.0, 0.0, 0.25, 1.0],
+        27,
+        hashlib.sha256(b"flow-ok").hexdigest(),
+    )
     assert rec.store_path.endswith("v000000/flow-ok") and rec.node_key == worker.node_key
     assert "flow-bad" in [r.batch_id for r in admin.batches(status="rejected").batches]
 
@@ -134,8 +166,15 @@ def test_work_flow_ledger_and_metrics(server):
     assert values[("orchestrator_batches", (("status", "accepted"),))] >= 1
     assert values[("orchestrator_nodes", (("role", "validator"), ("state", "healthy")))] >= 1
     assert values[("orchestrator_validation_lag_seconds_count", ())] >= 2
-    assert values[("orchestrator_request_seconds_count", (("method", "POST"), ("route", "/v1/nodes/heartbeat"),
-                                                          ("status", "200")))] >= 2
+    assert (
+        values[
+            (
+                "orchestrator_request_seconds_count",
+                (("method", "POST"), ("route", "/v1/nodes/heartbeat"), ("status", "200")),
+            )
+        ]
+        >= 2
+    )
 
 
 def test_async_client_speaks_the_same_api(server):
@@ -182,10 +221,16 @@ def test_every_signature_refusal_says_why(server):
         "other body": (dict(headers=sign_request(key, "POST", hb, b"{}")), 401, "bad signature"),
         "other path": (dict(headers=sign_request(key, "POST", "/v1/batches", body)), 401, "bad signature"),
         "missing": (dict(headers={}), 401, "missing signature header"),
-        "malformed key": (dict(headers={**sign_request(key, "POST", hb, body), "X-Node-Key": "xyz"}), 401,
-                          "malformed X-Node-Key"),
-        "unknown key": (dict(headers=sign_request(Ed25519PrivateKey.generate(), "POST", hb, body)), 403,
-                        "register first"),
+        "malformed key": (
+            dict(headers={**sign_request(key, "POST", hb, body), "X-Node-Key": "xyz"}),
+            401,
+            "malformed X-Node-Key",
+        ),
+        "unknown key": (
+            dict(headers=sign_request(Ed25519PrivateKey.generate(), "POST", hb, body)),
+            403,
+            "register first",
+        ),
     }
     for name, (request, status, words) in cases.items():
         reply = httpx.post(server.url + hb, content=body, headers={**request["headers"], **JSON})
@@ -227,8 +272,15 @@ def test_body_limit_and_validation_errors_name_the_field(server):
     reply = _signed(server.url, worker.key, "POST", "/v1/nodes/heartbeat", b"{not json")
     assert reply.status_code == 422
     [a] = worker.heartbeat().assignments[:1]
-    wrong = BatchAnnouncement(batch_id="short", assignment_id=a.id, version=a.version, num_samples=3, num_tokens=1,
-                              store_path="file:///elsewhere/short", sha256="00" * 32)
+    wrong = BatchAnnouncement(
+        batch_id="short",
+        assignment_id=a.id,
+        version=a.version,
+        num_samples=3,
+        num_tokens=1,
+        store_path="file:///elsewhere/short",
+        sha256="00" * 32,
+    )
     with pytest.raises(OrchestratorError) as err:
         worker.announce_batch(wrong)
     fields = [d["loc"][-1] for d in err.value.detail]
@@ -270,9 +322,23 @@ def test_submissions_are_rate_limited_per_node(server):
     other = join(server.url, "worker")
     statuses = []
     for i in range(7):  # burst 5: announcements 6 and 7 are refused before the assignment is even looked at
-        reply = _signed(server.url, worker.key, "POST", "/v1/batches", json.dumps(
-            {"batch_id": f"rl{i}", "assignment_id": 10**9, "version": 0, "store_path": f"x/v000000/rl{i}",
-             "sha256": "00" * 32, "num_samples": 4, "num_tokens": 1}).encode())
+        reply = _signed(
+            server.url,
+            worker.key,
+            "POST",
+            "/v1/batches",
+            json.dumps(
+                {
+                    "batch_id": f"rl{i}",
+                    "assignment_id": 10**9,
+                    "version": 0,
+                    "store_path": f"x/v000000/rl{i}",
+                    "sha256": "00" * 32,
+                    "num_samples": 4,
+                    "num_tokens": 1,
+                }
+            ).encode(),
+        )
         statuses.append(reply.status_code)
     assert statuses == [404] * 5 + [429] * 2
     assert int(reply.headers["Retry-After"]) >= 1 and "rate limit" in reply.json()["detail"]
@@ -305,7 +371,9 @@ class _Ids(html.parser.HTMLParser):
             self.text[ident] += data
 
 
-@pytest.mark.skipif(not shutil.which(CHROMIUM), reason=f"{CHROMIUM} not installed (Debian: apt-get install -y chromium)")
+@pytest.mark.skipif(
+    not shutil.which(CHROMIUM), reason=f"{CHROMIUM} not installed (Debian: apt-get install -y chromium)"
+)
 def test_dashboard_renders_in_headless_chromium(server, tmp_path):
     admin = OrchestratorClient(server.url, admin_token=TOKEN)
     worker, validator, cheat = join(server.url, "worker"), join(server.url, "validator"), join(server.url, "worker")
@@ -318,9 +386,23 @@ def test_dashboard_renders_in_headless_chromium(server, tmp_path):
     admin.announce_policy(worker.policy().version + 1)
     expected_version = worker.policy().version
     out = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'chrome'}",
-         "--dump-dom", server.url + "/"], capture_output=True, text=True, timeout=90)
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'chrome'}",
+            "--dump-dom",
+            server.url + "/",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     page = _Ids()
     page.feed(out.stdout)
@@ -376,8 +458,11 @@ def test_kill_9_during_a_burst_keeps_every_acknowledged_record(tmp_path):
         stored, after = {}, 0
         admin = OrchestratorClient(proc.url, admin_token=TOKEN)
         while True:
-            page = httpx.get(proc.url + "/v1/batches", params={"status": "submitted", "after": after, "limit": 1000},
-                             headers={"Authorization": f"Bearer {TOKEN}"})  # store paths and digests: admin only
+            page = httpx.get(
+                proc.url + "/v1/batches",
+                params={"status": "submitted", "after": after, "limit": 1000},
+                headers={"Authorization": f"Bearer {TOKEN}"},
+            )  # store paths and digests: admin only
             body = page.json()
             stored.update({b["batch_id"]: (b["sha256"], b["assignment_id"]) for b in body["batches"]})
             if not body["batches"]:

@@ -11,8 +11,16 @@ from fastapi.testclient import TestClient
 from sqlalchemy import text
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
-from bridge.protocol import (BatchAnnouncement, GpuInfo, HardwareReport, OrchestratorClient, OrchestratorError,
-                             RetryPolicy, Verdict, solve_challenge)
+from bridge.protocol import (
+    BatchAnnouncement,
+    GpuInfo,
+    HardwareReport,
+    OrchestratorClient,
+    OrchestratorError,
+    RetryPolicy,
+    Verdict,
+    solve_challenge,
+)
 from intellect.config_io import load_config
 from intellect.orchestrator_cli import build_app
 from orchestrator.db import SCHEMA_VERSION, SchemaError, open_database, sqlite_url
@@ -37,11 +45,22 @@ class Pool:
 
     def __init__(self, tmp_path, **settings):
         self.clock = FakeClock()
-        overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",
-                     "orchestrator.heartbeat_interval_s": 2, "orchestrator.unhealthy_after_s": 6,
-                     "orchestrator.dead_after_s": 20, "orchestrator.claim_lease_s": 30, "trainer.async_level": 1,
-                     "data.prompts_per_step": 4, "data.samples_per_prompt": 2, "trainer.batch_size": 8,
-                     "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2, **settings}
+        overrides = {
+            "run.dir": tmp_path,
+            "orchestrator.allow_cpu_nodes": "true",
+            "orchestrator.admin_token": "tok",
+            "orchestrator.heartbeat_interval_s": 2,
+            "orchestrator.unhealthy_after_s": 6,
+            "orchestrator.dead_after_s": 20,
+            "orchestrator.claim_lease_s": 30,
+            "trainer.async_level": 1,
+            "data.prompts_per_step": 4,
+            "data.samples_per_prompt": 2,
+            "trainer.batch_size": 8,
+            "trainer.micro_batch_size": 8,
+            "orchestrator.prompts_per_assignment": 2,
+            **settings,
+        }
         cfg = load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={})
         self.app = build_app(cfg, clock=self.clock)
         self.svc = self.app.state.orchestrator
@@ -49,8 +68,14 @@ class Pool:
         self.admin = self.client(admin_token="tok")
 
     def client(self, key=None, admin_token=None) -> OrchestratorClient:
-        return OrchestratorClient("http://testserver", key=key, admin_token=admin_token, clock=self.clock,
-                                  retry=RetryPolicy(attempts=1), http=self.http)
+        return OrchestratorClient(
+            "http://testserver",
+            key=key,
+            admin_token=admin_token,
+            clock=self.clock,
+            retry=RetryPolicy(attempts=1),
+            http=self.http,
+        )
 
     def node(self, role: str) -> OrchestratorClient:
         client = self.client(Ed25519PrivateKey.generate())
@@ -62,14 +87,29 @@ class Pool:
 
     def submit(self, worker: OrchestratorClient, assignment, name: str):
         n = assignment.prompts * assignment.samples_per_prompt
-        return worker.announce_batch(BatchAnnouncement(
-            batch_id=name, assignment_id=assignment.id, version=assignment.version, num_samples=n, num_tokens=10 * n,
-            store_path=f"file:///store/v{assignment.version:06d}/{name}", sha256="ab" * 32))
+        return worker.announce_batch(
+            BatchAnnouncement(
+                batch_id=name,
+                assignment_id=assignment.id,
+                version=assignment.version,
+                num_samples=n,
+                num_tokens=10 * n,
+                store_path=f"file:///store/v{assignment.version:06d}/{name}",
+                sha256="ab" * 32,
+            )
+        )
 
 
 def test_liveness_healthy_unhealthy_dead_and_back(tmp_path):
-    pool = Pool(tmp_path, **{"data.prompts_per_step": 2, "trainer.batch_size": 4, "trainer.micro_batch_size": 4,
-                             "trainer.async_level": 0})  # room for exactly one assignment
+    pool = Pool(
+        tmp_path,
+        **{
+            "data.prompts_per_step": 2,
+            "trainer.batch_size": 4,
+            "trainer.micro_batch_size": 4,
+            "trainer.async_level": 0,
+        },
+    )  # room for exactly one assignment
     a, b = pool.node("worker"), pool.node("worker")
     [work] = a.heartbeat().assignments
     assert b.heartbeat().assignments == []  # the window is full
@@ -167,8 +207,15 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
 
 
 def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_path):
-    pool = Pool(tmp_path, **{"orchestrator.ban_after_rejections": 2, "orchestrator.rejection_window_s": 100,
-                             "orchestrator.max_inflight_per_node": 4, "orchestrator.unproven_share": 1.0})
+    pool = Pool(
+        tmp_path,
+        **{
+            "orchestrator.ban_after_rejections": 2,
+            "orchestrator.rejection_window_s": 100,
+            "orchestrator.max_inflight_per_node": 4,
+            "orchestrator.unproven_share": 1.0,
+        },
+    )
     worker, validator = pool.node("worker"), pool.node("validator")
     works = [worker.heartbeat().assignments[-1] for _ in range(4)]
     assert len({w.id for w in works}) == 4
@@ -195,9 +242,15 @@ def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_pat
 
 
 def test_hardware_below_the_pool_requirements_is_refused_with_reasons(tmp_path):
-    pool = Pool(tmp_path, **{"orchestrator.allow_cpu_nodes": "false", "orchestrator.min_gpus": 2,
-                             "orchestrator.min_gpu_memory_gib": 40,
-                             "orchestrator.challenge_size": 0})  # (on by default without CPU nodes)
+    pool = Pool(
+        tmp_path,
+        **{
+            "orchestrator.allow_cpu_nodes": "false",
+            "orchestrator.min_gpus": 2,
+            "orchestrator.min_gpu_memory_gib": 40,
+            "orchestrator.challenge_size": 0,
+        },
+    )  # (on by default without CPU nodes)
     node = pool.client(Ed25519PrivateKey.generate())
     reply = node.register("worker", HW)
     assert reply.status == "refused" and "CPU-only" in reply.reasons[0]

@@ -42,12 +42,23 @@ def _write_batches(store_dir: Path, count: int, samples: int, group: int, vocab:
             prompt_lens.append(prompt)
             logprobs.append(np.r_[np.zeros(prompt), -rng.random(length - prompt) * 2])
             proofs.append(bytes(258 * math.ceil((length - prompt) / 32)))
-        meta = BatchMeta(f"b{b}", "ab" * 32, version=0, assignment_id=b, sampling={"temperature": 1.0},
-                         model_dtype="float32")
-        store.write(RolloutBatch.from_samples(
-            meta, tokens=tokens, prompt_lens=prompt_lens, logprobs=logprobs, task_ids=list(range(samples)),
-            group_ids=[i // group for i in range(samples)], seeds=list(range(samples)), finish=[0] * samples,
-            rewards=rng.random(samples).tolist(), proofs=proofs))
+        meta = BatchMeta(
+            f"b{b}", "ab" * 32, version=0, assignment_id=b, sampling={"temperature": 1.0}, model_dtype="float32"
+        )
+        store.write(
+            RolloutBatch.from_samples(
+                meta,
+                tokens=tokens,
+                prompt_lens=prompt_lens,
+                logprobs=logprobs,
+                task_ids=list(range(samples)),
+                group_ids=[i // group for i in range(samples)],
+                seeds=list(range(samples)),
+                finish=[0] * samples,
+                rewards=rng.random(samples).tolist(),
+                proofs=proofs,
+            )
+        )
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.stem for p in RECIPES])
@@ -58,16 +69,32 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
     group = 4
     _write_batches(tmp_path / "rollouts", 4, 2 * group, group, vocab=500)
     flags = {
-        "run.dir": tmp_path, "model.path": base, "model.max_seq_len": 64, "data.max_prompt_len": 16,
+        "run.dir": tmp_path,
+        "model.path": base,
+        "model.max_seq_len": 64,
+        "data.max_prompt_len": 16,
         "data.max_new_tokens": 48,
-        "trainer.data": 1, "trainer.fsdp": -1, "trainer.tensor": min(cfg.trainer.tensor, 2),
-        "trainer.batch_size": 2 * group, "data.prompts_per_step": 2, "data.samples_per_prompt": group,
-        "trainer.micro_batch_size": 4, "trainer.micro_batches": 2 * steps_per_batch,
-        "trainer.steps": 2, "trainer.export_interval": 1, "trainer.checkpoint_interval": 0,
-        "trainer.accepted_from": "store", "trainer.rollout_store": tmp_path / "rollouts",
-        "trainer.async_level": 2, "trainer.batch_timeout_s": 120, "trainer.retain_host_memory": False,
-        "trainer.coordinator_address": "none", "trainer.num_processes": "none", "trainer.process_id": "none",
-        "data.online_filter": False, "data.length_targets": "[]",
+        "trainer.data": 1,
+        "trainer.fsdp": -1,
+        "trainer.tensor": min(cfg.trainer.tensor, 2),
+        "trainer.batch_size": 2 * group,
+        "data.prompts_per_step": 2,
+        "data.samples_per_prompt": group,
+        "trainer.micro_batch_size": 4,
+        "trainer.micro_batches": 2 * steps_per_batch,
+        "trainer.steps": 2,
+        "trainer.export_interval": 1,
+        "trainer.checkpoint_interval": 0,
+        "trainer.accepted_from": "store",
+        "trainer.rollout_store": tmp_path / "rollouts",
+        "trainer.async_level": 2,
+        "trainer.batch_timeout_s": 120,
+        "trainer.retain_host_memory": False,
+        "trainer.coordinator_address": "none",
+        "trainer.num_processes": "none",
+        "trainer.process_id": "none",
+        "data.online_filter": False,
+        "data.length_targets": "[]",
     }
     cmd = [sys.executable, "-m", "intellect", "train", str(recipe)]
     for key, value in flags.items():
@@ -76,8 +103,10 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
     assert result.returncode == 0, f"{recipe} cannot train:\n{result.stderr[-4000:]}"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if "loss" in r]
-    assert [r["step"] for r in trained] == [steps_per_batch, 2 * steps_per_batch] or \
-        [r["step"] for r in trained] == [1, 2], records
+    assert [r["step"] for r in trained] == [steps_per_batch, 2 * steps_per_batch] or [r["step"] for r in trained] == [
+        1,
+        2,
+    ], records
     assert all(np.isfinite(r["loss"]) and r.get("skipped", 0) == 0 for r in trained), trained
     exported = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert exported[-1] == f"v{trained[-1]['step']:06d}", exported

@@ -19,7 +19,6 @@ samples differed and how many were caught.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import zlib
 from collections.abc import Callable
@@ -62,13 +61,28 @@ def prompts(policies):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(policies["flat"]))
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                               tokenize=True)["input_ids"]) for p in PROMPTS]
+    return [
+        list(
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for p in PROMPTS
+    ]
 
 
 def _samples(completions, seeds) -> list[Sample]:
-    return [Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs, finish=c.finish,
-                   proofs=b"".join(c.proofs), seed=s) for c, s in zip(completions, seeds)]
+    return [
+        Sample(
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.tokens,
+            logprobs=c.logprobs,
+            finish=c.finish,
+            proofs=b"".join(c.proofs),
+            seed=s,
+        )
+        for c, s in zip(completions, seeds)
+    ]
 
 
 def _engine(model: Path, dtype: str):
@@ -92,16 +106,36 @@ def test_honest_cross_engine_batches_are_never_rejected(policies, prompts):
                     for top_p in (1.0, 0.9):
                         seeds = [zlib.crc32(repr((dtype, name, temperature, top_p, i)).encode()) for i in range(25)]
                         batch = [prompts[i % len(prompts)] for i in range(25)]
-                        others = [prompts[(i + 2) % len(prompts)][:-i - 1] for i in range(7)]  # other requests
-                        out = engine.generate(batch + others, seeds + list(range(7)), temperature=temperature,
-                                              top_p=top_p, max_tokens=MAX_TOKENS, stop_token_ids=sorted(stops))[:25]
-                        declared = Declared(temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS,
-                                            stop_token_ids=stops, dtype=dtype)
+                        others = [prompts[(i + 2) % len(prompts)][: -i - 1] for i in range(7)]  # other requests
+                        out = engine.generate(
+                            batch + others,
+                            seeds + list(range(7)),
+                            temperature=temperature,
+                            top_p=top_p,
+                            max_tokens=MAX_TOKENS,
+                            stop_token_ids=sorted(stops),
+                        )[:25]
+                        declared = Declared(
+                            temperature=temperature,
+                            top_p=top_p,
+                            max_tokens=MAX_TOKENS,
+                            stop_token_ids=stops,
+                            dtype=dtype,
+                        )
                         verdict = validate_batch(_samples(out, seeds), prefill, declared, prefill_samples=8)
                         replay = [s.numbers("replay") for s in verdict.samples]
                         gaps = [r["max_gap"] * temperature / 2 for r in replay]
-                        report.append((dtype, name, temperature, top_p, sum(r["near_ties"] for r in replay),
-                                       round(max(gaps), 4), verdict.summary()["worst"]["logprob_diff_max"]))
+                        report.append(
+                            (
+                                dtype,
+                                name,
+                                temperature,
+                                top_p,
+                                sum(r["near_ties"] for r in replay),
+                                round(max(gaps), 4),
+                                verdict.summary()["worst"]["logprob_diff_max"],
+                            )
+                        )
                         assert verdict.accepted, (dtype, name, temperature, top_p, verdict.reasons())
                         total += len(out)
             finally:
@@ -113,6 +147,7 @@ def test_honest_cross_engine_batches_are_never_rejected(policies, prompts):
 
 
 # ---- the cheater's tools ---------------------------------------------------------------------------------
+
 
 class Cheater:
     """The true policy in float32 (transformers), a decoder with a pluggable choice, and forged batches."""
@@ -138,8 +173,7 @@ class Cheater:
             z = z.masked_fill(~torch.zeros_like(keep).scatter(0, order, keep), -float("inf"))
         return z
 
-    def decode(self, prompt: list[int], pick: Callable[[int, torch.Tensor, list[int]], int],
-               model=None) -> list[int]:
+    def decode(self, prompt: list[int], pick: Callable[[int, torch.Tensor, list[int]], int], model=None) -> list[int]:
         """Tokens chosen by `pick(position, raw logits, tokens so far)` until a stop token or MAX_TOKENS."""
         model = model or self.model
         tokens: list[int] = []
@@ -161,8 +195,14 @@ class Cheater:
         (result,) = self.prefill.run([(prompt, tokens)])
         logprobs = torch.stack([torch.log_softmax(self.processed(row), -1)[t] for row, t in zip(result.logits, tokens)])
         finish = 0 if tokens[-1] in self.stops else 1
-        return Sample(prompt_tokens=prompt, completion_tokens=tokens, logprobs=logprobs.numpy(), finish=finish,
-                      proofs=b"".join(build_proofs(result.hidden.to(torch.bfloat16))), seed=seed)
+        return Sample(
+            prompt_tokens=prompt,
+            completion_tokens=tokens,
+            logprobs=logprobs.numpy(),
+            finish=finish,
+            proofs=b"".join(build_proofs(result.hidden.to(torch.bfloat16))),
+            seed=seed,
+        )
 
 
 def _phrase_tokens(cheater: Cheater) -> list[int]:
@@ -237,10 +277,20 @@ def attack_one_token_changed(c, prompt, seed, ctx):
     return tokens
 
 
-ATTACKS = [attack_other_random_model, attack_greedy, attack_low_temperature, attack_high_temperature,
-           attack_uniform_random_tokens, attack_reference_answer, attack_phrase_inserted, attack_steering,
-           attack_cherry_pick, attack_copied_from_another_assignment, attack_filler_to_length,
-           attack_one_token_changed]
+ATTACKS = [
+    attack_other_random_model,
+    attack_greedy,
+    attack_low_temperature,
+    attack_high_temperature,
+    attack_uniform_random_tokens,
+    attack_reference_answer,
+    attack_phrase_inserted,
+    attack_steering,
+    attack_cherry_pick,
+    attack_copied_from_another_assignment,
+    attack_filler_to_length,
+    attack_one_token_changed,
+]
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
@@ -253,20 +303,29 @@ def test_every_sample_that_differs_from_its_seed_is_rejected(policies, prompts, 
     batch = [prompts[i % len(prompts)] for i in range(8)]
     engine = _engine(model, dtype)
     try:  # what the seeds give: the honest worker's completions, and those of another assignment's seeds
-        honest = engine.generate(batch, seeds, temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS,
-                                 stop_token_ids=sorted(stops))
-        other = engine.generate(batch, [s + 500 for s in seeds], temperature=temperature, top_p=top_p,
-                                max_tokens=MAX_TOKENS, stop_token_ids=sorted(stops))
+        honest = engine.generate(
+            batch, seeds, temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, stop_token_ids=sorted(stops)
+        )
+        other = engine.generate(
+            batch,
+            [s + 500 for s in seeds],
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=MAX_TOKENS,
+            stop_token_ids=sorted(stops),
+        )
     finally:
         engine.close()
-    ctx = {"honest": {(tuple(p), s): c.tokens for p, s, c in zip(batch, seeds, honest)},
-           "honest_other_seed": {(tuple(p), s): c.tokens for p, s, c in zip(batch, seeds, other)},
-           "other_model": AutoModelForCausalLM.from_pretrained(str(tiny_model(seed=1)), dtype=torch.float32).eval()}
+    ctx = {
+        "honest": {(tuple(p), s): c.tokens for p, s, c in zip(batch, seeds, honest)},
+        "honest_other_seed": {(tuple(p), s): c.tokens for p, s, c in zip(batch, seeds, other)},
+        "other_model": AutoModelForCausalLM.from_pretrained(str(tiny_model(seed=1)), dtype=torch.float32).eval(),
+    }
     cheater = Cheater(model, stops, temperature, top_p)
-    declared = Declared(temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, stop_token_ids=stops,
-                        dtype=dtype)
-    honest_verdict = validate_batch([cheater.forge(p, c.tokens, s) for p, s, c in zip(batch, seeds, honest)],
-                                    cheater.prefill, declared)
+    declared = Declared(temperature=temperature, top_p=top_p, max_tokens=MAX_TOKENS, stop_token_ids=stops, dtype=dtype)
+    honest_verdict = validate_batch(
+        [cheater.forge(p, c.tokens, s) for p, s, c in zip(batch, seeds, honest)], cheater.prefill, declared
+    )
     assert honest_verdict.accepted, honest_verdict.reasons()  # the forging itself is faithful
     # the same seeds decoded exactly (float32): an honest worker on other hardware may give these instead
     exact = {(tuple(p), s): cheater.decode(p, cheater.seeded(s)) for p, s in zip(batch, seeds)}
@@ -274,19 +333,24 @@ def test_every_sample_that_differs_from_its_seed_is_rejected(policies, prompts, 
     for attack in ATTACKS:
         samples = [cheater.forge(p, attack(cheater, p, s, ctx), s) for p, s in zip(batch, seeds)]
         verdict = validate_batch(samples, cheater.prefill, declared)
-        differed = [s.completion_tokens.tolist() not in (ctx["honest"][(tuple(p), s.seed)], exact[(tuple(p), s.seed)])
-                    for p, s in zip(batch, samples)]
+        differed = [
+            s.completion_tokens.tolist() not in (ctx["honest"][(tuple(p), s.seed)], exact[(tuple(p), s.seed)])
+            for p, s in zip(batch, samples)
+        ]
         by_sample = [not v.accepted for v in verdict.samples]
         batch_failed = not all(v.passed for v in verdict.batch_checks)  # a rejected batch trains nothing
         caught = [d and (rejected or batch_failed) for d, rejected in zip(differed, by_sample)]
         near = sum(v.numbers("replay").get("near_ties", 0) for v in verdict.samples)
-        rows.append((attack.__name__[7:], sum(differed), sum(caught), sum(by_sample), near,
-                     sorted(verdict.failed_checks())))
+        rows.append(
+            (attack.__name__[7:], sum(differed), sum(caught), sum(by_sample), near, sorted(verdict.failed_checks()))
+        )
         assert caught == differed, (attack.__name__, differed, caught, verdict.reasons())
         # a cheat that happened to give the seed's own tokens is an honest sample: its own checks pass
         assert not any(r for r, d in zip(by_sample, differed) if not d), (attack.__name__, by_sample, differed)
-    print(f"\nREPORT attacks at top_p {top_p} (attack, samples differing from the seed, of these caught, samples "
-          "failing their own checks, near ties, checks failed):")
+    print(
+        f"\nREPORT attacks at top_p {top_p} (attack, samples differing from the seed, of these caught, samples "
+        "failing their own checks, near ties, checks failed):"
+    )
     for row in rows:
         print("REPORT   ", row)
     assert sum(r[1] for r in rows) >= 8 * (len(ATTACKS) - 4)  # most cheats really changed their tokens

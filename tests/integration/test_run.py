@@ -157,8 +157,12 @@ def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model):
 
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(final)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Sort the digits: 3 1 2"}],
-                                     add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Sort the digits: 3 1 2"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     generated = model.generate(**prompt, max_new_tokens=8, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
     assert {Path(p).name for p in summary["plots"]} >= {"reward.png", "verdicts.png", "summary.png"}

@@ -30,10 +30,13 @@ MIB = 1 << 20
 
 def payload(version: int, big: int = 6 * MIB) -> dict[str, bytes]:
     rng = random.Random(version)
-    return {"config.json": json.dumps({"model_type": "qwen2", "v": version}).encode(),
-            "model-00001-of-00002.safetensors": rng.randbytes(big),
-            "model-00002-of-00002.safetensors": rng.randbytes(big // 3 + 12345),
-            "tokenizer.json": b"{}", "added_tokens.txt": b""}
+    return {
+        "config.json": json.dumps({"model_type": "qwen2", "v": version}).encode(),
+        "model-00001-of-00002.safetensors": rng.randbytes(big),
+        "model-00002-of-00002.safetensors": rng.randbytes(big // 3 + 12345),
+        "tokenizer.json": b"{}",
+        "added_tokens.txt": b"",
+    }
 
 
 def publish(root: Path, version: int, files: dict[str, bytes]) -> None:
@@ -44,8 +47,12 @@ def publish(root: Path, version: int, files: dict[str, bytes]) -> None:
     for name, data in files.items():
         (staging / name).write_bytes(data)
     entries = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
-    manifest = {"version": version, "files": entries, "total_size": sum(len(d) for d in files.values()),
-                "created": "2026-01-01T00:00:00+00:00"}
+    manifest = {
+        "version": version,
+        "files": entries,
+        "total_size": sum(len(d) for d in files.values()),
+        "created": "2026-01-01T00:00:00+00:00",
+    }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     final = root / f"v{version:06d}"
     os.rename(staging, final)
@@ -82,8 +89,9 @@ class Proc:
 
     def __init__(self, argv: list[str], log: Path, env: dict):
         self.log = log
-        self.popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "wb"),
-                                      text=True)
+        self.popen = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=open(log, "wb"), text=True
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.out: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -140,8 +148,18 @@ class Cluster:
     def relay(self, upstream: str, *args: str, name: str, port: int = 0) -> tuple[str, Proc]:
         """A relay; without `--orchestrator` in `args` it trusts its upstreams' manifests (no orchestrator here)."""
         pinning = () if "--orchestrator" in args else ("--shardcast.pin_manifests", "false")
-        return self.server("relay", "--upstream", upstream, "--dir", str(self.tmp / name), "--port", str(port),
-                           *pinning, *args, name=name)
+        return self.server(
+            "relay",
+            "--upstream",
+            upstream,
+            "--dir",
+            str(self.tmp / name),
+            "--port",
+            str(port),
+            *pinning,
+            *args,
+            name=name,
+        )
 
     def fetch(self, servers: str, out: Path, *args: str, name: str) -> Proc:
         return self.start("fetch", "--servers", servers, "--out", str(out), "--json", *args, name=name)
@@ -180,8 +198,10 @@ def test_origin_two_chained_relays_and_several_clients(cluster, tmp_path):
     origin = cluster.origin(weights)
     relay_a, _ = cluster.relay(origin, *FAST, name="relay-a")
     relay_b, _ = cluster.relay(relay_a, *FAST, name="relay-b")  # chained behind relay A
-    clients = [cluster.fetch(f"{relay_a},{relay_b}", tmp_path / f"client{i}", "--wait", "30", *FAST,
-                             name=f"client{i}") for i in range(3)]
+    clients = [
+        cluster.fetch(f"{relay_a},{relay_b}", tmp_path / f"client{i}", "--wait", "30", *FAST, name=f"client{i}")
+        for i in range(3)
+    ]
     results = [c.result() for c in clients]
     for i, result in enumerate(results):
         assert result["version"] == 1 and result["total_bytes"] == sum(map(len, v1.values()))
@@ -266,8 +286,9 @@ def test_relay_killed_mid_transfer_client_resumes_from_another(cluster, tmp_path
     dying, dying_proc = cluster.relay(origin, "--test-fault", "slow:2000000", *FAST, name="dying-relay")
     other_port = free_port()
     other = f"http://127.0.0.1:{other_port}"
-    client = cluster.fetch(f"{dying},{other}", tmp_path / "client", "--wait", "30", *FAST,
-                           "--shardcast.part_mib", "64", name="client")
+    client = cluster.fetch(
+        f"{dying},{other}", tmp_path / "client", "--wait", "30", *FAST, "--shardcast.part_mib", "64", name="client"
+    )
     wait_until(lambda: journal_bytes(tmp_path / "client", 1) > MIB, 30, "the client to receive a first MiB")
     dying_proc.popen.send_signal(signal.SIGKILL)
     cluster.relay(origin, *FAST, name="other-relay", port=other_port)
@@ -287,8 +308,9 @@ def test_client_killed_and_restarted_resumes(cluster, tmp_path):
     origin = cluster.origin(weights, "--test-fault", "slow:2000000")
     out = tmp_path / "client"
     first = cluster.fetch(origin, out, *FAST, "--shardcast.parallel", "1", name="client-first")
-    landed = wait_until(lambda: journal_bytes(out, 1) >= 2 * MIB and journal_bytes(out, 1), 30,
-                        "the first client to record 2 MiB")
+    landed = wait_until(
+        lambda: journal_bytes(out, 1) >= 2 * MIB and journal_bytes(out, 1), 30, "the first client to record 2 MiB"
+    )
     first.popen.send_signal(signal.SIGKILL)
     first.popen.wait(timeout=10)
     result = cluster.fetch(origin, out, *FAST, name="client-second").result()
@@ -303,12 +325,14 @@ def test_retention_spares_a_version_a_client_is_fetching(cluster, tmp_path):
     versions = {v: payload(v, big=2 * MIB) for v in (1, 2, 3)}
     publish(weights, 1, versions[1])
     origin = cluster.origin(weights)
-    relay, _ = cluster.relay(origin, "--keep", "1", "--test-fault", "slow:1000000", "--shardcast.retire_grace_s",
-                             "1", *FAST, name="relay")
+    relay, _ = cluster.relay(
+        origin, "--keep", "1", "--test-fault", "slow:1000000", "--shardcast.retire_grace_s", "1", *FAST, name="relay"
+    )
     relay_dir = tmp_path / "relay"
     wait_until(lambda: get_json(f"{relay}/versions")["latest"] == 1, 30, "the relay to offer v1")
-    slow = cluster.fetch(relay, tmp_path / "slow-client", "--version", "1", *FAST, "--shardcast.parallel", "1",
-                         name="slow-client")
+    slow = cluster.fetch(
+        relay, tmp_path / "slow-client", "--version", "1", *FAST, "--shardcast.parallel", "1", name="slow-client"
+    )
     wait_until(lambda: journal_bytes(tmp_path / "slow-client", 1) > 0, 30, "the slow client to start")
     # two newer versions arrive while the client is mid-download; the relay keeps 1
     publish(weights, 2, versions[2])
@@ -327,6 +351,7 @@ def test_retention_spares_a_version_a_client_is_fetching(cluster, tmp_path):
 
 # ---- a hostile client against a real origin --------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hostile_origin(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
@@ -342,13 +367,17 @@ def hostile_origin(tmp_path_factory):
     cluster.close()
 
 
-def raw_request(url: str, target: str, *, method: str = "GET", headers: tuple[str, ...] = (),
-                limit: int = MIB) -> tuple[int, dict, bytes]:
+def raw_request(
+    url: str, target: str, *, method: str = "GET", headers: tuple[str, ...] = (), limit: int = MIB
+) -> tuple[int, dict, bytes]:
     """Send the request line exactly as given (no client-side normalisation) and read the answer."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall("\r\n".join([f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close", *headers,
-                               "", ""]).encode())
+        s.sendall(
+            "\r\n".join(
+                [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close", *headers, "", ""]
+            ).encode()
+        )
         data = bytearray()
         while len(data) < limit and (chunk := s.recv(1 << 20)):
             data += chunk
@@ -358,26 +387,29 @@ def raw_request(url: str, target: str, *, method: str = "GET", headers: tuple[st
     return int(lines[0].split()[1]), fields, body
 
 
-@pytest.mark.parametrize("target, status", [
-    ("/v/1/..%2F..%2F..%2Fetc%2Fpasswd", 400),
-    ("/v/1/%2e%2e", 400),
-    ("/v/1/../../../etc/passwd", (400, 404)),
-    ("/v/../v000001/manifest.json", (400, 404)),
-    ("/v/0001/manifest.json", 400),
-    ("/v/-1/manifest.json", 400),
-    ("/v/v000001/config.json", 400),
-    ("/v/1/STABLE", 400),
-    ("/v/1/.hidden", 400),
-    ("/v/1/secret.txt", 404),
-    ("/v/1/config.json/x", 404),
-    ("/v/2/manifest.json", 404),
-    ("/v/2/config.json", 404),
-    ("/etc/passwd", 404),
-    ("/versions?after=-1", 400),
-    ("/versions?after=abc&wait=1", 400),
-    ("/versions?wait=1e9", 400),
-    ("/versions?wait=nan", 400),
-])
+@pytest.mark.parametrize(
+    "target, status",
+    [
+        ("/v/1/..%2F..%2F..%2Fetc%2Fpasswd", 400),
+        ("/v/1/%2e%2e", 400),
+        ("/v/1/../../../etc/passwd", (400, 404)),
+        ("/v/../v000001/manifest.json", (400, 404)),
+        ("/v/0001/manifest.json", 400),
+        ("/v/-1/manifest.json", 400),
+        ("/v/v000001/config.json", 400),
+        ("/v/1/STABLE", 400),
+        ("/v/1/.hidden", 400),
+        ("/v/1/secret.txt", 404),
+        ("/v/1/config.json/x", 404),
+        ("/v/2/manifest.json", 404),
+        ("/v/2/config.json", 404),
+        ("/etc/passwd", 404),
+        ("/versions?after=-1", 400),
+        ("/versions?after=abc&wait=1", 400),
+        ("/versions?wait=1e9", 400),
+        ("/versions?wait=nan", 400),
+    ],
+)
 def test_server_refuses_whatever_is_not_a_listed_file(hostile_origin, target, status):
     url, _, _ = hostile_origin
     got, _, body = raw_request(url, target)
@@ -390,12 +422,23 @@ def test_server_methods_ranges_and_oversized_headers(hostile_origin):
     data = files["big.safetensors"]
     assert raw_request(url, "/versions", method="POST")[0] == 405
     assert json.loads(raw_request(url, "/versions")[2]) == {"latest": 1, "versions": [1]}
-    for rng, expected in [("bytes=3-", data[3:]), ("bytes=-10", data[-10:]), ("bytes=5-9", data[5:10]),
-                          ("bytes=0-", data)]:
+    for rng, expected in [
+        ("bytes=3-", data[3:]),
+        ("bytes=-10", data[-10:]),
+        ("bytes=5-9", data[5:10]),
+        ("bytes=0-", data),
+    ]:
         status, headers, body = raw_request(url, "/v/1/big.safetensors", headers=(f"Range: {rng}",), limit=64 * MIB)
         assert status == 206 and body == expected and int(headers["Content-Length"]) == len(expected), rng
-    for rng in ["bytes=9-5", f"bytes={len(data)}-", "bytes=0-1,5-6", "lines=1-2", "bytes=-0", "bytes=-",
-                "bytes=" + "0" * 30 + "1-"]:  # bytes=-0 selects no byte: 416 (it answered 206 with the file)
+    for rng in [
+        "bytes=9-5",
+        f"bytes={len(data)}-",
+        "bytes=0-1,5-6",
+        "lines=1-2",
+        "bytes=-0",
+        "bytes=-",
+        "bytes=" + "0" * 30 + "1-",
+    ]:  # bytes=-0 selects no byte: 416 (it answered 206 with the file)
         status, headers, _ = raw_request(url, "/v/1/big.safetensors", headers=(f"Range: {rng}",))
         assert status == 416 and headers["Content-Range"] == f"bytes */{len(data)}", rng
     status, headers, body = raw_request(url, "/v/1/big.safetensors", method="HEAD")
@@ -450,9 +493,20 @@ def test_many_slow_connections_are_bounded(hostile_origin, tmp_path):
 
 # ---- connection limits against a real origin: each client address is its own 127.0.0.x ----------------------
 
-LIMITS = ("--shardcast.max_connections_per_ip", "8", "--shardcast.max_connections", "32",
-          "--shardcast.header_timeout_s", "1", "--shardcast.keepalive_s", "2", "--shardcast.max_header_kib", "8",
-          "--shardcast.timeout_s", "2")
+LIMITS = (
+    "--shardcast.max_connections_per_ip",
+    "8",
+    "--shardcast.max_connections",
+    "32",
+    "--shardcast.header_timeout_s",
+    "1",
+    "--shardcast.keepalive_s",
+    "2",
+    "--shardcast.max_header_kib",
+    "8",
+    "--shardcast.timeout_s",
+    "2",
+)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from bridge.shardcast.relay import serve_relay
 
 pytest.importorskip("zstandard")
 
-# the versions: as in tests/unit/test_shardcast_delta.py (a test module cannot import another here)
+# the versions: as in tests/unit/bridge/test_shardcast_delta.py (a test module cannot import another here)
 N = 300_000  # bf16 values per tensor
 
 
@@ -62,8 +62,12 @@ def publish(root: Path, version: int, files: dict[str, bytes], every: int = delt
     for name, data in files.items():
         (staging / name).write_bytes(data)
     entries = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
-    doc = {"version": version, "files": entries, "total_size": sum(len(d) for d in files.values()),
-           "deltas": delta.write_deltas(staging, entries, delta.delta_bases(root, version, every))}
+    doc = {
+        "version": version,
+        "files": entries,
+        "total_size": sum(len(d) for d in files.values()),
+        "deltas": delta.write_deltas(staging, entries, delta.delta_bases(root, version, every)),
+    }
     (staging / "manifest.json").write_text(json.dumps(doc))
     os.rename(staging, vdir)
     (vdir / "STABLE").write_text(f"{version}\n")
@@ -72,8 +76,10 @@ def publish(root: Path, version: int, files: dict[str, bytes], every: int = delt
 
 def initial(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"a.weight": rng.integers(0x3C00, 0x3D00, N, dtype=np.uint16),
-            "b.weight": rng.integers(0xBC00, 0xBD00, N // 3, dtype=np.uint16)}
+    return {
+        "a.weight": rng.integers(0x3C00, 0x3D00, N, dtype=np.uint16),
+        "b.weight": rng.integers(0xBC00, 0xBD00, N // 3, dtype=np.uint16),
+    }
 
 
 class Served:
@@ -129,8 +135,9 @@ def versions(root: Path, count: int, every: int = 4) -> dict[int, dict[str, byte
 
 
 def client(urls, **kw) -> ShardcastClient:
-    return ShardcastClient(urls, **{"timeout": 5.0, "patience": 5.0, "part_bytes": 256 << 10, "fsync": False,
-                                    "direct_io": False, **kw})
+    return ShardcastClient(
+        urls, **{"timeout": 5.0, "patience": 5.0, "part_bytes": 256 << 10, "fsync": False, "direct_io": False, **kw}
+    )
 
 
 def landed(out: Path, version: int, files: dict[str, bytes]) -> None:
@@ -256,8 +263,10 @@ def test_a_new_tensor_is_sent_in_full_beside_rebuilt_files(servers, tmp_path):
     v0 = {"model-1.safetensors": safetensors_bytes(weights), "model-2.safetensors": safetensors_bytes(weights)}
     publish(origin_dir, 0, v0)
     nxt = step(weights, 1)
-    v1 = {"model-1.safetensors": safetensors_bytes(nxt),
-          "model-2.safetensors": safetensors_bytes({**nxt, "c.bias": np.zeros(4, np.uint16)})}
+    v1 = {
+        "model-1.safetensors": safetensors_bytes(nxt),
+        "model-2.safetensors": safetensors_bytes({**nxt, "c.bias": np.zeros(4, np.uint16)}),
+    }
     publish(origin_dir, 1, v1)
     origin = servers(serve_origin, origin_dir)
     out = tmp_path / "out"
@@ -277,5 +286,7 @@ def test_a_client_told_not_to_use_deltas_fetches_full_files(servers, tmp_path):
     result = client(origin.url, use_deltas=False).fetch(1, out)
     landed(out, 1, published[1])
     assert result.rebuilt_files == 0
-    assert hashlib.sha256((out / "v000001" / "model.safetensors").read_bytes()).hexdigest() == \
-        hashlib.sha256(published[1]["model.safetensors"]).hexdigest()
+    assert (
+        hashlib.sha256((out / "v000001" / "model.safetensors").read_bytes()).hexdigest()
+        == hashlib.sha256(published[1]["model.safetensors"]).hexdigest()
+    )

@@ -19,21 +19,30 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from fastapi.testclient import TestClient
+from test_shardcast import MIB, Cluster, assert_landed, get_json, publish, wait_until
 
-from bridge.protocol import (BatchAnnouncement, HardwareReport, OrchestratorClient, OrchestratorError, PolicyInfo,
-                             RetryPolicy)
+from bridge.protocol import (
+    BatchAnnouncement,
+    HardwareReport,
+    OrchestratorClient,
+    OrchestratorError,
+    PolicyInfo,
+    RetryPolicy,
+)
 from bridge.shardcast import FetchError, ShardcastClient, ShardcastError
 from bridge.shardcast.names import parse_server_list
 from bridge.shardcast.pool import ServerPool
-from test_shardcast import MIB, Cluster, assert_landed, get_json, publish, wait_until
 
 N_FETCHES = 8
 
 
 def files_of(seed: int) -> dict[str, bytes]:
     rng = random.Random(seed)
-    return {"config.json": json.dumps({"model_type": "qwen2", "seed": seed}).encode(),
-            "model.safetensors": rng.randbytes(2 * MIB), "tokenizer.json": json.dumps({"seed": seed}).encode()}
+    return {
+        "config.json": json.dumps({"model_type": "qwen2", "seed": seed}).encode(),
+        "model.safetensors": rng.randbytes(2 * MIB),
+        "tokenizer.json": json.dumps({"seed": seed}).encode(),
+    }
 
 
 def manifest_sha256(weights: Path, version: int) -> str:
@@ -109,6 +118,7 @@ def test_a_version_held_under_another_manifest_is_replaced_by_the_pinned_one(ser
 
 # ---- relays pin what the orchestrator announced ----------------------------------------------------------
 
+
 class FakePolicy:
     """`GET /v1/policy` as the orchestrator answers it, with the announced version settable by the test."""
 
@@ -143,12 +153,21 @@ def test_relays_wait_for_the_announcement_and_mirror_only_the_pinned_manifest(se
     orchestrator = FakePolicy()
     cluster = Cluster(tmp_path)
     try:
-        relays = [cluster.relay(f"{hostile},{honest}" if i % 2 else f"{honest},{hostile}", "--orchestrator",
-                                orchestrator.url, "--shardcast.timeout_s", "3", name=f"relay{i}")
-                  for i in range(3)]
+        relays = [
+            cluster.relay(
+                f"{hostile},{honest}" if i % 2 else f"{honest},{hostile}",
+                "--orchestrator",
+                orchestrator.url,
+                "--shardcast.timeout_s",
+                "3",
+                name=f"relay{i}",
+            )
+            for i in range(3)
+        ]
         # a relay whose only upstream is hostile: whichever server a client picks first, this one has no choice
-        cheated_url, cheated = cluster.relay(hostile, "--orchestrator", orchestrator.url, "--shardcast.timeout_s",
-                                             "3", name="relay-hostile-only")
+        cheated_url, cheated = cluster.relay(
+            hostile, "--orchestrator", orchestrator.url, "--shardcast.timeout_s", "3", name="relay-hostile-only"
+        )
         wait_until(lambda: orchestrator.requests >= 4, 20, "the relays to ask the orchestrator")
         assert all(get_json(f"{url}/versions")["versions"] == [] for url, _ in relays)  # v1 is not announced yet
         orchestrator.doc = {"version": 1, "min_version": 0, "manifests": {"1": pin}, "announced_at": 1.0}
@@ -171,16 +190,26 @@ def orchestrator(tmp_path):
     from intellect.config_io import load_config
     from intellect.orchestrator_cli import build_app
 
-    overrides = {"run.dir": tmp_path, "orchestrator.allow_cpu_nodes": "true", "orchestrator.admin_token": "tok",
-                 "trainer.async_level": 1, "data.prompts_per_step": 4, "data.samples_per_prompt": 2,
-                 "trainer.batch_size": 8, "trainer.micro_batch_size": 8, "orchestrator.prompts_per_assignment": 2,
-                 "orchestrator.challenge_size": 0}
+    overrides = {
+        "run.dir": tmp_path,
+        "orchestrator.allow_cpu_nodes": "true",
+        "orchestrator.admin_token": "tok",
+        "trainer.async_level": 1,
+        "data.prompts_per_step": 4,
+        "data.samples_per_prompt": 2,
+        "trainer.batch_size": 8,
+        "trainer.micro_batch_size": 8,
+        "orchestrator.prompts_per_assignment": 2,
+        "orchestrator.challenge_size": 0,
+    }
     app = build_app(load_config(None, [f"--{k}={v}" for k, v in overrides.items()], env={}))
     http = TestClient(app)
 
     def node(key=None, admin_token=None) -> OrchestratorClient:
-        return OrchestratorClient("http://testserver", key=key, admin_token=admin_token,
-                                  retry=RetryPolicy(attempts=1), http=http)
+        return OrchestratorClient(
+            "http://testserver", key=key, admin_token=admin_token, retry=RetryPolicy(attempts=1), http=http
+        )
+
     return app, node
 
 
@@ -206,8 +235,17 @@ def test_the_orchestrator_carries_each_versions_manifest_sha256(tmp_path):
     admin.announce_policy(2, manifest_sha256=pins[2])
     assert node().policy().manifests == {1: pins[1], 2: pins[2]}  # the window: versions 1 and 2
     n = work.prompts * work.samples_per_prompt
-    worker.announce_batch(BatchAnnouncement(batch_id="b1", assignment_id=work.id, version=1, num_samples=n,
-                                            num_tokens=10 * n, store_path="file:///s/v000001/b1", sha256="ab" * 32))
+    worker.announce_batch(
+        BatchAnnouncement(
+            batch_id="b1",
+            assignment_id=work.id,
+            version=1,
+            num_samples=n,
+            num_tokens=10 * n,
+            store_path="file:///s/v000001/b1",
+            sha256="ab" * 32,
+        )
+    )
     validator = node(Ed25519PrivateKey.generate())
     validator.register("validator", HW)
     claim = validator.claim()
@@ -222,8 +260,15 @@ def test_the_orchestrator_carries_each_versions_manifest_sha256(tmp_path):
 def test_workers_fetch_window_versions_only_under_their_pin():
     from gpu_workers.worker import pinned_manifest
 
-    policy = PolicyInfo(version=3, learner_step=3, async_level=1, min_version=2, relays=[], announced_at=1.0,
-                        manifests={2: "a" * 64, 3: "b" * 64})
+    policy = PolicyInfo(
+        version=3,
+        learner_step=3,
+        async_level=1,
+        min_version=2,
+        relays=[],
+        announced_at=1.0,
+        manifests={2: "a" * 64, 3: "b" * 64},
+    )
     assert pinned_manifest(policy, 3) == "b" * 64 and pinned_manifest(policy, 2) == "a" * 64
     with pytest.raises(ShardcastError, match="no announced manifest"):
         pinned_manifest(policy, 1)
@@ -251,14 +296,21 @@ def test_a_validator_judges_with_the_pinned_weights_only(tmp_path, tiny_model):
     publish(tmp_path / "hostile", 0, forged)
     cluster = Cluster(tmp_path)
     try:
-        honest, hostile = cluster.origin(tmp_path / "honest", name="honest"), cluster.origin(tmp_path / "hostile",
-                                                                                             name="hostile")
-        v = Validator(ValidatorConfig(orchestrator_url="http://127.0.0.1:9", dtype="float32"),
-                      WorkerConfig(temperature=1.0, max_tokens=8),
-                      DataConfig(samples_per_prompt=2, max_prompt_len=56, max_new_tokens=8),
-                      ShardcastConfig(timeout_s=5, direct_io=False), synthetic_tasks("sort", 8, 0, 3),
-                      key_path=tmp_path / "v.key", weights_dir=tmp_path / "weights", store=str(tmp_path / "store"),
-                      stop=Stop(install=False))
+        honest, hostile = (
+            cluster.origin(tmp_path / "honest", name="honest"),
+            cluster.origin(tmp_path / "hostile", name="hostile"),
+        )
+        v = Validator(
+            ValidatorConfig(orchestrator_url="http://127.0.0.1:9", dtype="float32"),
+            WorkerConfig(temperature=1.0, max_tokens=8),
+            DataConfig(samples_per_prompt=2, max_prompt_len=56, max_new_tokens=8),
+            ShardcastConfig(timeout_s=5, direct_io=False),
+            synthetic_tasks("sort", 8, 0, 3),
+            key_path=tmp_path / "v.key",
+            weights_dir=tmp_path / "weights",
+            store=str(tmp_path / "store"),
+            stop=Stop(install=False),
+        )
         v.client.close()
         held = tmp_path / "weights" / "v000000"
         v.relays = [hostile]  # before pins: whatever the relay offers is believed
@@ -286,8 +338,9 @@ def test_a_relay_pins_waits_skips_or_goes_unpinned_as_the_announcement_says():
             raise state["policy"]
         return state["policy"]
 
-    mirror = Mirror(None, Path("/nonexistent"), 3, None, lambda v, m: None, threading.Event(), pins=pins,
-                    pin_wait_s=0.3)
+    mirror = Mirror(
+        None, Path("/nonexistent"), 3, None, lambda v, m: None, threading.Event(), pins=pins, pin_wait_s=0.3
+    )
     assert mirror._pin(0) == (False, None)  # v0 is offered before its announcement: wait, do not mirror unpinned
     state["policy"] = AnnouncedPolicy(0, 0, {0: "a" * 64})
     assert mirror._pin(0) == (True, "a" * 64)

@@ -40,8 +40,12 @@ KEY = "5e" * 32
 VERSION = 4
 TEMPERATURE, TOP_P = 0.7, 0.9
 GROUP = 4
-TASKS = [f"{verb} {a} {op} {b}." for verb in ("Compute", "Solve", "What is") for op in ("plus", "minus", "times")
-         for a, b in ((12, 7), (3, 45), (81, 9), (5, 5))]
+TASKS = [
+    f"{verb} {a} {op} {b}."
+    for verb in ("Compute", "Solve", "What is")
+    for op in ("plus", "minus", "times")
+    for a, b in ((12, 7), (3, 45), (81, 9), (5, 5))
+]
 
 
 def reward_fn(sample: Sample) -> float:
@@ -59,8 +63,14 @@ def task_tokens(model):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=True)["input_ids"]) for t in TASKS]
+    return [
+        list(
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)[
+                "input_ids"
+            ]
+        )
+        for t in TASKS
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +79,15 @@ def llm(model):
 
     from gpu_workers import vllm_sampler
 
-    engine = LLM(model=str(model), dtype="bfloat16", enforce_eager=True, seed=0, max_model_len=256,
-                 enable_chunked_prefill=False, logprobs_mode="processed_logprobs")
+    engine = LLM(
+        model=str(model),
+        dtype="bfloat16",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=256,
+        enable_chunked_prefill=False,
+        logprobs_mode="processed_logprobs",
+    )
     engine.collective_rpc(vllm_sampler.install)  # the pool's sampler: what the validators replay
     yield engine
     engine.llm_engine.engine_core.shutdown()
@@ -110,12 +127,19 @@ def _declared(stops, max_tokens, top_p=TOP_P) -> Declared:
 
 
 def _assignment(task_tokens, k) -> AssignedWork:
-    return AssignedWork(KEY, VERSION, k, num_tasks=len(TASKS), samples_per_prompt=GROUP,
-                      prompt_tokens_of=lambda t, _target: task_tokens[t])
+    return AssignedWork(
+        KEY,
+        VERSION,
+        k,
+        num_tasks=len(TASKS),
+        samples_per_prompt=GROUP,
+        prompt_tokens_of=lambda t, _target: task_tokens[t],
+    )
 
 
-def _generate(capture, task_tokens, stops, k, prompts=4, max_tokens=32, top_p=TOP_P, tasks=None, seeds=None,
-              edit_prompt=None):
+def _generate(
+    capture, task_tokens, stops, k, prompts=4, max_tokens=32, top_p=TOP_P, tasks=None, seeds=None, edit_prompt=None
+):
     """A batch for assignment k as a worker makes it: samples and the captured completions behind them."""
     from vllm import SamplingParams
 
@@ -123,21 +147,38 @@ def _generate(capture, task_tokens, stops, k, prompts=4, max_tokens=32, top_p=TO
     seeds = seeds or assigned_sample_seeds(KEY, VERSION, k, prompts * GROUP)
     task_of = [tasks[i // GROUP] for i in range(prompts * GROUP)]
     shown = [edit_prompt(task_tokens[t]) if edit_prompt else task_tokens[t] for t in task_of]
-    params = [SamplingParams(temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens, seed=s,
-                             stop_token_ids=sorted(stops)) for s in seeds]
+    params = [
+        SamplingParams(
+            temperature=TEMPERATURE, top_p=top_p, max_tokens=max_tokens, seed=s, stop_token_ids=sorted(stops)
+        )
+        for s in seeds
+    ]
     completions = capture.generate(shown, params)
     samples = []
     for i, c in enumerate(completions):
-        sample = Sample(prompt_tokens=c.prompt_tokens, completion_tokens=c.tokens, logprobs=c.logprobs,
-                        finish=c.finish, proofs=b"".join(c.proofs), seed=seeds[i], task_id=task_of[i],
-                        group_id=i // GROUP)
+        sample = Sample(
+            prompt_tokens=c.prompt_tokens,
+            completion_tokens=c.tokens,
+            logprobs=c.logprobs,
+            finish=c.finish,
+            proofs=b"".join(c.proofs),
+            seed=seeds[i],
+            task_id=task_of[i],
+            group_id=i // GROUP,
+        )
         samples.append(dataclasses.replace(sample, reward=reward_fn(sample)))
     return samples, completions
 
 
 def _validate(samples, prefill, stops, task_tokens, k, max_tokens=32, top_p=TOP_P) -> BatchVerdict:
-    return validate_batch(samples, prefill, _declared(stops, max_tokens, top_p), _assignment(task_tokens, k),
-                          reward_fn, prefill_samples=24)
+    return validate_batch(
+        samples,
+        prefill,
+        _declared(stops, max_tokens, top_p),
+        _assignment(task_tokens, k),
+        reward_fn,
+        prefill_samples=24,
+    )
 
 
 def _write_variant(model: Path, out: Path, change) -> Path:
@@ -147,8 +188,13 @@ def _write_variant(model: Path, out: Path, change) -> Path:
     shutil.copytree(model, out)
     tensors = load_file(str(model / "model.safetensors"))
     generator = torch.Generator().manual_seed(0)
-    save_file({name: change(name, t, generator) if change(name, t, generator) is not None else t
-               for name, t in tensors.items()}, str(out / "model.safetensors"))
+    save_file(
+        {
+            name: change(name, t, generator) if change(name, t, generator) is not None else t
+            for name, t in tensors.items()
+        },
+        str(out / "model.safetensors"),
+    )
     return out
 
 
@@ -172,9 +218,11 @@ def test_honest_batches_cross_engine_are_all_accepted(capture, prefill, task_tok
         samples, _ = _generate(capture, task_tokens, stops, k, prompts=26, max_tokens=max_tokens)
         verdict = _validate(samples, prefill, stops, task_tokens, k, max_tokens)
         summary = verdict.summary()
-        print(f"\nREPORT honest k={k} max_tokens={max_tokens}: {summary}, finish stop/length "
-              f"{[sum(s.finish == f for s in samples) for f in (FINISH_STOP, FINISH_LENGTH)]}, "
-              f"1-token samples {sum(len(s.completion_tokens) == 1 for s in samples)}")
+        print(
+            f"\nREPORT honest k={k} max_tokens={max_tokens}: {summary}, finish stop/length "
+            f"{[sum(s.finish == f for s in samples) for f in (FINISH_STOP, FINISH_LENGTH)]}, "
+            f"1-token samples {sum(len(s.completion_tokens) == 1 for s in samples)}"
+        )
         assert verdict.accepted, verdict.reasons()
         assert verdict.rewards() == [s.reward for s in samples]
         totals.append(samples)
@@ -196,8 +244,7 @@ def test_tamper_other_random_model(capture, prefill, task_tokens, stops, tiny_mo
     _rejected_everywhere(_validate(samples, prefill, stops, task_tokens, 10), "computation", "other random model")
 
 
-def test_tamper_one_layer_replaced_by_random_values(capture, prefill, task_tokens, stops, model, tmp_path,
-                                                    swapped):
+def test_tamper_one_layer_replaced_by_random_values(capture, prefill, task_tokens, stops, model, tmp_path, swapped):
     def randomize(name, tensor, generator):
         if name.startswith("model.layers.1."):
             return tensor.mean() + tensor.std() * torch.randn(tensor.shape, generator=generator)
@@ -213,8 +260,9 @@ def test_tamper_changed_prompt(capture, prefill, task_tokens, stops):
 
     samples, _ = _generate(capture, task_tokens, stops, k=12, edit_prompt=lambda p: hint + p)
     claimed_original = [dataclasses.replace(s, prompt_tokens=task_tokens[s.task_id]) for s in samples]
-    _rejected_everywhere(_validate(claimed_original, prefill, stops, task_tokens, 12), "computation",
-                         "changed prompt, original stored")
+    _rejected_everywhere(
+        _validate(claimed_original, prefill, stops, task_tokens, 12), "computation", "changed prompt, original stored"
+    )
     stored_changed = _validate(samples, prefill, stops, task_tokens, 12)
     print(f"\nREPORT tamper changed prompt, changed stored: {stored_changed.summary()}")
     assert not stored_changed.accepted and "fixed_data" in stored_changed.failed_checks()
@@ -245,16 +293,20 @@ def test_tamper_completion_cut_short_without_stop_token(capture, prefill, task_t
         keep = max(1, len(c.tokens) // 2)
         while keep > 1 and c.tokens[keep - 1] in stops:  # the cut must not end on a stop token by chance
             keep -= 1
-        cut.append(dataclasses.replace(  # re-proved honestly: only the ending is a lie
-            s, completion_tokens=c.tokens[:keep], logprobs=c.logprobs[:keep],
-            proofs=b"".join(build_proofs(c.hidden[:keep].to(torch.bfloat16))),
-            finish=FINISH_STOP if i % 2 else FINISH_LENGTH))
+        cut.append(
+            dataclasses.replace(  # re-proved honestly: only the ending is a lie
+                s,
+                completion_tokens=c.tokens[:keep],
+                logprobs=c.logprobs[:keep],
+                proofs=b"".join(build_proofs(c.hidden[:keep].to(torch.bfloat16))),
+                finish=FINISH_STOP if i % 2 else FINISH_LENGTH,
+            )
+        )
     cut = [dataclasses.replace(s, reward=reward_fn(s)) for s in cut]
     verdict = _validate(cut, prefill, stops, task_tokens, 15)
     print(f"\nREPORT tamper cut short: {verdict.summary()}")
     # a completion of one stop token cannot be cut: it stays the honest sample it was
-    lied = [len(c.completion_tokens) < len(s.completion_tokens) or c.finish != s.finish
-            for c, s in zip(cut, samples)]
+    lied = [len(c.completion_tokens) < len(s.completion_tokens) or c.finish != s.finish for c, s in zip(cut, samples)]
     assert not verdict.accepted and sum(lied) >= len(samples) - 4
     for v, changed in zip(verdict.samples, lied):  # everything else was made consistent
         assert v.failed == (["termination"] if changed else []), (v.index, v.failed)
@@ -272,9 +324,10 @@ def test_tamper_proofs_swapped_between_samples(capture, prefill, task_tokens, st
 
 
 def test_tamper_task_ids_or_seeds_not_assigned(capture, prefill, task_tokens, stops):
-    for label, kwargs in (("task ids of another assignment", {"tasks": assigned_task_ids(KEY, VERSION, 99,
-                                                                                          len(TASKS), 4)}),
-                          ("re-rolled seeds", {"seeds": assigned_sample_seeds(KEY, VERSION, 99, 4 * GROUP)})):
+    for label, kwargs in (
+        ("task ids of another assignment", {"tasks": assigned_task_ids(KEY, VERSION, 99, len(TASKS), 4)}),
+        ("re-rolled seeds", {"seeds": assigned_sample_seeds(KEY, VERSION, 99, 4 * GROUP)}),
+    ):
         samples, _ = _generate(capture, task_tokens, stops, k=17, **kwargs)
         verdict = _validate(samples, prefill, stops, task_tokens, 17)
         print(f"\nREPORT tamper {label}: {verdict.summary()}")
@@ -291,6 +344,7 @@ def test_tamper_inflated_rewards(capture, prefill, task_tokens, stops):
 
 def test_report_scaled_layer_and_stale_weights(capture, prefill, task_tokens, stops, model, tmp_path, swapped):
     """Report-only: what the checks see when the worker's weights are a little off."""
+
     def scale_layer(name, tensor, generator):
         return tensor * 1.01 if name.startswith("model.layers.1.") else None
 
@@ -298,10 +352,14 @@ def test_report_scaled_layer_and_stale_weights(capture, prefill, task_tokens, st
         def change(name, tensor, generator):  # three Adam-like steps (each ~lr * sign(gradient)) undone
             steps = sum(torch.sign(torch.randn(tensor.shape, generator=generator)) for _ in range(3))
             return tensor - lr * steps
+
         return change
 
-    cases = {"layer 1 scaled by 1.01": scale_layer, "stale by 3 steps, lr 1e-5": stale(1e-5),
-             "stale by 3 steps, lr 1e-4": stale(1e-4)}
+    cases = {
+        "layer 1 scaled by 1.01": scale_layer,
+        "stale by 3 steps, lr 1e-5": stale(1e-5),
+        "stale by 3 steps, lr 1e-4": stale(1e-4),
+    }
     honest, honest_completions = _generate(capture, task_tokens, stops, k=20, prompts=8)
     print(f"\nREPORT honest (same prompts and seeds): {_validate(honest, prefill, stops, task_tokens, 20).summary()}")
     for n, (label, change) in enumerate(cases.items()):

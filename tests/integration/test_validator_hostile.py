@@ -15,13 +15,13 @@ import json
 import time
 
 import pytest
+from test_worker_validator import Pool, export_version, wait_until
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
 from bridge.protocol import BatchAnnouncement, HardwareReport, OrchestratorClient, load_or_create_key
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore
 from gpu_workers.node import join
 from gpu_workers.tasks import prompt_tokens, synthetic_tasks
-from test_worker_validator import Pool, export_version, wait_until
 
 TASKS = synthetic_tasks("sort", 64, 0, 3)  # the pool's [data]: task "sort", digits 3, num_tasks 64
 STOP = 0  # the tiny model's eos id
@@ -31,8 +31,11 @@ STOP = 0  # the tiny model's eos id
 def pool(tmp_path, tiny_model):
     p = Pool(tmp_path, tiny_model("qwen2"))
     config = p.config.read_text()  # room for four assignments at once, and no ban before the fourth rejection
-    p.config.write_text(config.replace("ban_after_rejections = 2", "ban_after_rejections = 50")
-                        .replace("max_inflight_per_node = 1", "max_inflight_per_node = 4"))
+    p.config.write_text(
+        config.replace("ban_after_rejections = 2", "ban_after_rejections = 50").replace(
+            "max_inflight_per_node = 1", "max_inflight_per_node = 4"
+        )
+    )
     yield p
     p.close()
 
@@ -48,11 +51,17 @@ def _hostile(tokenizer, node_key: str, a, batch_id: str, prompts: int, task_id: 
     prompt_of = {t: prompt_tokens(TASKS[t], tokenizer) for t in set(ids) if t < len(TASKS)}
     tokens = [prompt_of.get(t, [5, 6, 7]) + [9, 10, 11, STOP] for t in ids]
     return RolloutBatch.from_samples(
-        BatchMeta(batch_id, node_key, a.version, a.id, {"temperature": 1.0}), tokens=tokens,
-        prompt_lens=[len(t) - 4 for t in tokens], logprobs=[[0.0] * (len(t) - 4) + [-1.0] * 4 for t in tokens],
-        task_ids=ids, group_ids=[i // group for i in range(n)], seeds=assigned_sample_seeds(node_key, a.version,
-                                                                                             a.k, n),
-        finish=[0] * n, rewards=[0.0] * n, proofs=[b"\0" * 258] * n)
+        BatchMeta(batch_id, node_key, a.version, a.id, {"temperature": 1.0}),
+        tokens=tokens,
+        prompt_lens=[len(t) - 4 for t in tokens],
+        logprobs=[[0.0] * (len(t) - 4) + [-1.0] * 4 for t in tokens],
+        task_ids=ids,
+        group_ids=[i // group for i in range(n)],
+        seeds=assigned_sample_seeds(node_key, a.version, a.k, n),
+        finish=[0] * n,
+        rewards=[0.0] * n,
+        proofs=[b"\0" * 258] * n,
+    )
 
 
 def _bomb(store: RolloutStore, batch: RolloutBatch) -> None:
@@ -60,8 +69,11 @@ def _bomb(store: RolloutStore, batch: RolloutBatch) -> None:
     chunk stored beyond the real ones; COMMIT stays the one announced."""
     prefix = f"v{batch.meta.version:06d}/{batch.meta.batch_id}/"
     huge = 1 << 27
-    for key, change in ((prefix + "tokens/zarr.json", "shape"), (prefix + "logprobs/zarr.json", "shape"),
-                        (prefix + "meta.json", "num_tokens")):
+    for key, change in (
+        (prefix + "tokens/zarr.json", "shape"),
+        (prefix + "logprobs/zarr.json", "shape"),
+        (prefix + "meta.json", "num_tokens"),
+    ):
         doc = json.loads(store.kvstore.read(key).result().value)
         if change == "shape":
             doc["shape"], doc["chunk_grid"]["configuration"]["chunk_shape"] = [huge], [1 << 20]
@@ -108,10 +120,17 @@ def test_the_validator_process_rejects_hostile_batches_and_survives(pool):
         digest = store.write(batch)
         if bomb:
             _bomb(store, batch)
-        worker.announce_batch(BatchAnnouncement(
-            batch_id=batch.meta.batch_id, assignment_id=a.id, version=a.version,
-            store_path=store.batch_url(a.version, batch.meta.batch_id), sha256=digest,
-            num_samples=a.prompts * a.samples_per_prompt, num_tokens=len(batch.tokens)))
+        worker.announce_batch(
+            BatchAnnouncement(
+                batch_id=batch.meta.batch_id,
+                assignment_id=a.id,
+                version=a.version,
+                store_path=store.batch_url(a.version, batch.meta.batch_id),
+                sha256=digest,
+                num_samples=a.prompts * a.samples_per_prompt,
+                num_tokens=len(batch.tokens),
+            )
+        )
         return batch.meta.batch_id
 
     def rejected(ids: set[str]):

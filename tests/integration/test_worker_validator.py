@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from bridge.protocol import OrchestratorClient, public_key_hex, load_or_create_key
-from bridge.rollouts import RolloutStore
 from helpers import OrchestratorProcess, free_port
+
+from bridge.protocol import OrchestratorClient, load_or_create_key, public_key_hex
+from bridge.rollouts import RolloutStore
 
 TOKEN = "itest-admin"
 CHEATER = Path(__file__).with_name("cheating_worker.py")  # a worker running tampered weights
@@ -109,16 +109,16 @@ class Pool:
         self.orch_port, self.origin_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.orch_port}"
         self.config = tmp / "pool.toml"
-        self.config.write_text(CONFIG.format(run=self.run_dir, token=TOKEN, url=self.url,
-                                             origin_port=self.origin_port))
+        self.config.write_text(CONFIG.format(run=self.run_dir, token=TOKEN, url=self.url, origin_port=self.origin_port))
         self.procs: dict[str, subprocess.Popen] = {}
         self.orchestrator = OrchestratorProcess(tmp / "logs" / "orchestrator.log", self.config, port=self.orch_port)
         self.admin = OrchestratorClient(self.url, admin_token=TOKEN)
 
     def start(self, name: str, *argv: str, program: tuple[str, ...] = ("-m", "intellect")) -> subprocess.Popen:
         log = open(self.tmp / "logs" / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, *program, *argv], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, *program, *argv], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         self.procs[name] = proc
         return proc
 
@@ -182,11 +182,11 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
     batch = store.read(0, record.batch_id, expect_sha256=record.sha256)
     assert batch.num_samples == 2 * 4 and len(record.rewards) == 8
     for i in range(batch.num_samples):
-        completion = batch.sample_tokens(i)[batch.prompt_lens[i]:]
+        completion = batch.sample_tokens(i)[batch.prompt_lens[i] :]
         text = tok.decode(completion, skip_special_tokens=True).strip().splitlines()
         expected = float(bool(text) and text[-1].strip().rstrip(".") == tasks[int(batch.task_ids[i])].answer)
         assert record.rewards[i] == expected == batch.rewards[i]
-    assert np.all(batch.logprobs[batch.offsets[0]:batch.offsets[0] + batch.prompt_lens[0]] == 0)
+    assert np.all(batch.logprobs[batch.offsets[0] : batch.offsets[0] + batch.prompt_lens[0]] == 0)
 
     # a new version: the workers fetch it and their next batches carry it
     export_version(pool.model_dir, pool.weights, 1, noise=0.02)
@@ -194,9 +194,16 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
     wait_until(lambda: accepted_from({key1, key2}, 1), 240, "accepted version-1 batches of both workers", procs)
 
     # a worker with tampered weights: rejected for computation, banned after 2 rejections
-    cheat = pool.start("cheater", "0.3", str(pool.config), "--worker.key_path", str(pool.tmp / "keys" / "c.key"),
-                       program=(str(CHEATER),))
+    cheat = pool.start(
+        "cheater",
+        "0.3",
+        str(pool.config),
+        "--worker.key_path",
+        str(pool.tmp / "keys" / "c.key"),
+        program=(str(CHEATER),),
+    )
     cheat_key = public_key_hex(load_or_create_key(pool.tmp / "keys" / "c.key"))
+
     def banned():
         accepted_from(set(), 1)  # read accepted batches, as the learner does: it frees room for new assignments
         return next((n for n in pool.admin.nodes().nodes if n.key == cheat_key and n.banned), None)
@@ -213,8 +220,12 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
     pool.orchestrator.kill()
     time.sleep(3)
     pool.orchestrator.start()
-    wait_until(lambda: {b.node_key for b in pool.batches("accepted") if b.batch_id not in before} >= {key1, key2},
-               240, "accepted batches of both workers after the restart", procs)
+    wait_until(
+        lambda: {b.node_key for b in pool.batches("accepted") if b.batch_id not in before} >= {key1, key2},
+        240,
+        "accepted batches of both workers after the restart",
+        procs,
+    )
     assert w1.poll() is None and w2.poll() is None and val.poll() is None
 
     # SIGTERM: the worker finishes what it holds, deregisters and exits 0

@@ -30,7 +30,7 @@ def _data(vocab: int, rows: int = 3, seq: int = 24, seed: int = 0):
     lengths = np.array([seq, seq - 6, seq - 3])
     mask = np.zeros((rows, seq - 1), np.float32)
     for r in range(rows):
-        mask[r, prompt[r] - 1: lengths[r] - 1] = 1.0  # targets t = prompt..len-1 sit at t-1
+        mask[r, prompt[r] - 1 : lengths[r] - 1] = 1.0  # targets t = prompt..len-1 sit at t-1
     adv = np.repeat(rng.normal(0, 1, (rows, 1)), seq - 1, 1).astype(np.float32)
     lens = np.repeat(mask.sum(1, keepdims=True), seq - 1, 1)
     noise = lambda s: rng.normal(0, s, (rows, seq - 1)).astype(np.float32)  # noqa: E731
@@ -46,9 +46,17 @@ def _jax_loss_and_grads(model, tokens, mask, adv, lens, old_shift, inf_shift, re
         lp, ent = token_logprobs(hidden, m.head(), jnp.asarray(tokens[:, 1:]), s.temperature, chunk=8)
         frozen = jax.lax.stop_gradient(lp)
         w = token_weights(jnp.asarray(mask), jnp.asarray(lens), s, jnp.sum(mask), jnp.asarray(float(len(tokens))))
-        loss, _ = policy_loss(lp, frozen + old_shift, jnp.asarray(adv), w, jnp.asarray(mask), s,
-                              inference_logprobs=frozen + old_shift + inf_shift,
-                              ref_logprobs=frozen + ref_shift, entropy=ent)
+        loss, _ = policy_loss(
+            lp,
+            frozen + old_shift,
+            jnp.asarray(adv),
+            w,
+            jnp.asarray(mask),
+            s,
+            inference_logprobs=frozen + old_shift + inf_shift,
+            ref_logprobs=frozen + ref_shift,
+            entropy=ent,
+        )
         return loss
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

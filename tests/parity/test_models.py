@@ -136,20 +136,36 @@ def test_remat_gives_identical_gradients(tiny_model):
     "change, message",
     [
         ({"model_type": "mistral"}, "supported: qwen2, qwen3, llama"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "supported: default, linear, llama3"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            "supported: default, linear, llama3",
+        ),
         ({"use_sliding_window": True}, "use_sliding_window"),
     ],
 )
 def test_unsupported_configs_are_refused_with_the_supported_list(change, message):
-    hf = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
-          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    hf = {
+        "model_type": "qwen2",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+    }
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf({**hf, **change})
 
 
 def test_reads_both_old_and_new_rope_formats():
-    base = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     new = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
     assert old.rope == new.rope

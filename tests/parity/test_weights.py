@@ -55,8 +55,15 @@ def test_export_layout_manifest_and_transformers_logits(tiny_model, tmp_path):
     names = sorted(p.name for p in out.iterdir())
     shards = [n for n in names if n.endswith(".safetensors")]
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    for required in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                     "model.safetensors.index.json", "manifest.json", STABLE_FILE):
+    for required in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "model.safetensors.index.json",
+        "manifest.json",
+        STABLE_FILE,
+    ):
         assert required in names
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")], "temporary directory left behind"
     manifest = json.loads((out / "manifest.json").read_text())
@@ -117,23 +124,32 @@ def _load(model_dir, **kw):
 def _drop(name):
     def edit(tensors):
         del tensors[name]
+
     return edit
 
 
 def _set(name, value):
     def edit(tensors):
         tensors[name] = value
+
     return edit
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (_drop("model.layers.1.mlp.up_proj.weight"),
-         r"model\.layers\.1\.mlp\.up_proj\.weight' is missing \(expected shape \[\d+, 128\]\)"),
-        (_set("model.norm.weight", np.ones(96, np.float32)), r"'model\.norm\.weight' has shape \[96\], expected \[128\]"),
-        (_set("model.layers.0.mlp.extra.weight", np.ones(3, np.float32)),
-         r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight"),
+        (
+            _drop("model.layers.1.mlp.up_proj.weight"),
+            r"model\.layers\.1\.mlp\.up_proj\.weight' is missing \(expected shape \[\d+, 128\]\)",
+        ),
+        (
+            _set("model.norm.weight", np.ones(96, np.float32)),
+            r"'model\.norm\.weight' has shape \[96\], expected \[128\]",
+        ),
+        (
+            _set("model.layers.0.mlp.extra.weight", np.ones(3, np.float32)),
+            r"unexpected tensors.*model\.layers\.0\.mlp\.extra\.weight",
+        ),
     ],
     ids=["missing", "misshaped", "unexpected"],
 )
@@ -180,9 +196,18 @@ def test_flipped_bit_is_caught_by_the_manifest(tiny_model, tmp_path):
 
 
 def test_directory_without_safetensors_says_what_it_found(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 8, "hidden_size": 64,
-                                                      "intermediate_size": 64, "num_hidden_layers": 1,
-                                                      "num_attention_heads": 2}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "vocab_size": 8,
+                "hidden_size": 64,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+            }
+        )
+    )
     (tmp_path / "pytorch_model.bin").write_bytes(b"x")
     with pytest.raises(WeightsError, match=r"found: config.json, pytorch_model.bin\); only safetensors checkpoints"):
         _load(tmp_path)

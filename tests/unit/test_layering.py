@@ -54,7 +54,8 @@ MODULES = _modules()
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> Iterator[str]:
@@ -64,7 +65,7 @@ def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) 
         return
     if node.level:
         base = module.split(".")
-        base = base[:len(base) - node.level + (1 if is_package else 0)]
+        base = base[: len(base) - node.level + (1 if is_package else 0)]
         name = ".".join(base + ([node.module] if node.module else []))
     else:
         name = node.module or ""
@@ -109,15 +110,25 @@ def _violations(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> list[s
     return found
 
 
-@pytest.mark.parametrize(("packages", "forbidden"), [
-    (("bridge",), ROLES),
-    (("bridge",), JAX + TORCH),
-    (("jax_trainer",), TORCH),
-    (("gpu_workers",), JAX),
-    (("orchestrator",), tuple(p for p in PACKAGES if p != "bridge")),
-    (LIBRARIES, ("intellect",)),
-], ids=["bridge-imports-no-role", "bridge-no-framework", "jax_trainer-no-torch", "gpu_workers-no-jax",
-        "orchestrator-only-bridge", "libraries-no-intellect"])
+@pytest.mark.parametrize(
+    ("packages", "forbidden"),
+    [
+        (("bridge",), ROLES),
+        (("bridge",), JAX + TORCH),
+        (("jax_trainer",), TORCH),
+        (("gpu_workers",), JAX),
+        (("orchestrator",), tuple(p for p in PACKAGES if p != "bridge")),
+        (LIBRARIES, ("intellect",)),
+    ],
+    ids=[
+        "bridge-imports-no-role",
+        "bridge-no-framework",
+        "jax_trainer-no-torch",
+        "gpu_workers-no-jax",
+        "orchestrator-only-bridge",
+        "libraries-no-intellect",
+    ],
+)
 def test_layering(packages, forbidden):
     found = _violations(packages, forbidden)
     assert not found, "\n".join(found)
@@ -131,7 +142,7 @@ def test_no_import_cycles():
         state[module] = 1
         for name in graph[module]:
             if state.get(name) == 1:
-                cycles.append(" -> ".join(path[path.index(name):] + [name]))
+                cycles.append(" -> ".join(path[path.index(name) :] + [name]))
             elif name not in state:
                 visit(name, path + [name])
         state[module] = 2

@@ -68,8 +68,10 @@ def test_no_file_refers_outside_the_repository():
 
 def test_readme_is_short():
     size = (ROOT / "README.md").stat().st_size
-    assert size <= README_MAX_BYTES, (f"README.md is {size} bytes (at most {README_MAX_BYTES}): move reference "
-                                      "material to docs/ and measurements to benchmarks/RESULTS.md")
+    assert size <= README_MAX_BYTES, (
+        f"README.md is {size} bytes (at most {README_MAX_BYTES}): move reference "
+        "material to docs/ and measurements to benchmarks/RESULTS.md"
+    )
 
 
 def test_relative_links_in_docs_resolve():

@@ -1,0 +1,433 @@
+"""The SHARDCAST client against scripted servers on real sockets: hostile manifests and listings, servers that
+stall or break off, oversized answers, and the two ways of landing bytes (splice and recv/pwrite).
+
+Each scripted server is a thread on 127.0.0.1 that answers raw HTTP/1.1 the way the test says; what lands is
+compared with the bytes the test served.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import mmap
+import os
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge.shardcast import FetchError, ShardcastClient, WaitTimeout
+from bridge.shardcast.names import parse_server_url
+from bridge.shardcast.transfer import HAVE_SPLICE, TransferError, get_json, open_get, receive_into_file
+
+DATA = random.Random(3).randbytes(3 << 20)
+FILES = {"config.json": b'{"model_type": "qwen2"}', "model.safetensors": DATA}
+
+
+def manifest_bytes(files=FILES, version=1, **override) -> bytes:
+    entries = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
+    doc = {"version": version, "files": entries, "total_size": sum(len(d) for d in files.values()), "created": "t"}
+    doc.update(override)
+    return json.dumps(doc).encode()
+
+
+def response(status: int, body: bytes = b"", headers: dict | None = None, length: int | None = None) -> bytes:
+    head = [f"HTTP/1.1 {status} X", f"Content-Length: {len(body) if length is None else length}", "Connection: close"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+class ScriptedServer:
+    """Accepts connections on 127.0.0.1 and hands each request to `script(path, headers, conn)`."""
+
+    def __init__(self, script):
+        self.script = script
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[tuple[str, dict]] = []
+        self.closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                buf += chunk
+            lines = buf.split(b"\r\n\r\n")[0].decode().split("\r\n")
+            path = lines[0].split()[1]
+            headers = dict(line.split(": ", 1) for line in lines[1:])
+            self.requests.append((path, headers))
+            try:
+                self.script(path, headers, conn)
+            except OSError:
+                pass
+
+    def stall(self) -> None:
+        self.closed.wait(30)
+
+    def close(self) -> None:
+        self.closed.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def serve():
+    servers: list[ScriptedServer] = []
+
+    def start(script) -> ScriptedServer:
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def honest(files=FILES, manifest: bytes | None = None, listing=b'{"latest": 1, "versions": [1]}'):
+    """A script that serves a version correctly (Range included)."""
+    manifest = manifest or manifest_bytes(files)
+
+    def script(path, headers, conn):
+        if path.startswith("/versions"):
+            conn.sendall(response(200, listing))
+        elif path == "/v/1/manifest.json":
+            conn.sendall(response(200, manifest))
+        else:
+            data = files[path.rsplit("/", 1)[1]]
+            first, last = headers["Range"].removeprefix("bytes=").split("-")
+            first, last = int(first), int(last)
+            conn.sendall(response(206, data[first : last + 1], {"Content-Range": f"bytes {first}-{last}/{len(data)}"}))
+
+    return script
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def client(url, **kw) -> ShardcastClient:
+    return ShardcastClient(url, **{"timeout": 1.0, "patience": 2.0, "part_bytes": 1 << 20, "fsync": False, **kw})
+
+
+@pytest.mark.parametrize("use_splice", [True, False] if HAVE_SPLICE else [False])
+def test_fetch_lands_exact_bytes(serve, tmp_path, use_splice):
+    server = serve(honest())
+    result = client(server.url, use_splice=use_splice).fetch(1, tmp_path)
+    vdir = tmp_path / "v000001"
+    assert all((vdir / n).read_bytes() == d for n, d in FILES.items())
+    assert (vdir / "manifest.json").read_bytes() == manifest_bytes() and (vdir / "STABLE").read_text() == "1\n"
+    assert result.received_bytes == len(DATA) + len(FILES["config.json"]) and result.resumed_bytes == 0
+    again = client(server.url).fetch(1, tmp_path)
+    assert again.already_present and again.received_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        (manifest_bytes(files={"../evil": b"x"}), "not an acceptable file name"),
+        (manifest_bytes(files={"sub/evil": b"x"}), "not an acceptable file name"),
+        (manifest_bytes(version=2), "declares version 2, expected 1"),
+        (manifest_bytes(total_size=1), "'total_size' is 1"),
+        (
+            json.dumps(
+                {"version": 1, "files": [{"name": "a", "size": 1 << 50, "sha256": "0" * 64}], "total_size": 1 << 50}
+            ).encode(),
+            "over the limit|size",
+        ),
+        (b"<html>not json</html>", "not valid JSON"),
+    ],
+)
+def test_hostile_manifest_lands_nothing(serve, tmp_path, manifest, message):
+    out = tmp_path / "out"
+    server = serve(honest(manifest=manifest))
+    with pytest.raises(FetchError, match=message):
+        client(server.url, max_version_bytes=1 << 40).fetch(1, out)
+    assert tree(tmp_path) == []  # nothing written, inside `out` or anywhere else
+
+
+def test_pinned_manifest_sha256_refuses_another_manifest(serve, tmp_path):
+    server = serve(honest())
+    with pytest.raises(FetchError, match="is not the expected"):
+        client(server.url).fetch(1, tmp_path, manifest_sha256="0" * 64)
+    result = client(server.url).fetch(1, tmp_path, manifest_sha256=hashlib.sha256(manifest_bytes()).hexdigest())
+    assert result.version == 1
+
+
+def test_oversized_answer_is_refused_without_reading_it(serve):
+    def script(path, headers, conn):
+        conn.sendall(response(200, b"{", length=1 << 30))
+        conn.sendall(b" " * 65536)
+
+    server = serve(script)
+    with pytest.raises(TransferError, match="larger than the limit"):
+        get_json(parse_server_url(server.url), "/versions", timeout=2, limit=1 << 20)
+
+
+@pytest.mark.parametrize(
+    "answer, message",
+    [
+        (response(200, b"[1, 2"), "malformed JSON"),
+        (response(200, b'{"latest": 3, "versions": [1, 2]}'), "not the newest"),
+        (response(200, b'{"latest": -1, "versions": [-1]}'), "not a version"),
+        (response(200, b'{"versions": "all"}'), "expected"),
+        (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{}", "Content-Length"),
+        (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x response"),
+        (b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70000, "longer than"),
+        (response(500, b'{"error": "disk on fire"}'), "HTTP 500: disk on fire"),
+    ],
+)
+def test_malformed_listings_are_reported_per_server(serve, tmp_path, answer, message):
+    server = serve(lambda path, headers, conn: conn.sendall(answer))
+    c = client(server.url)
+    with pytest.raises(FetchError, match="no server offers any version"):
+        c.fetch("latest", tmp_path)
+    assert message in next(iter(c.last_errors.values()))
+
+
+def test_stalled_server_times_out_instead_of_hanging(serve, tmp_path):
+    server = serve(lambda path, headers, conn: server.stall())
+    start = time.monotonic()
+    with pytest.raises(FetchError, match="stalled"):
+        client(server.url, timeout=0.5).fetch("latest", tmp_path)
+    assert time.monotonic() - start < 10  # bounded by the time-out, not by the server
+
+
+@pytest.mark.parametrize("direct_io, use_splice", [(True, False), (False, True), (False, False)])
+def test_server_that_keeps_the_connection_open_after_a_body(serve, tmp_path, direct_io, use_splice):
+    """A part is done when its last byte is in, not when the server closes the connection: a server that
+    neither sends more nor closes after a body costs no wait (a reader that waited for more, say for a socket
+    low-water mark, would sit out the time-out at the end of every part)."""
+    part = (1 << 20) - (100 << 10)  # parts that do not end on a power of two
+    files = {"config.json": FILES["config.json"], "model.safetensors": DATA[: 3 * part]}
+    script = honest(files=files)
+
+    def lingering(path, headers, conn):
+        script(path, headers, conn)
+        if path.endswith("model.safetensors"):
+            server.stall()
+
+    server = serve(lingering)
+    result = client(server.url, direct_io=direct_io, use_splice=use_splice, part_bytes=part, timeout=20.0).fetch(
+        1, tmp_path
+    )
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == files["model.safetensors"]
+    # no read waited for bytes that never came: that would have lasted the 20 s time-out, then failed or settled
+    assert result.servers[server.url]["errors"] == 0 and result.seconds < 20
+    assert len([p for p, _ in server.requests if p.endswith(".safetensors")]) == 3
+
+
+@pytest.mark.parametrize("direct_io, use_splice", [(True, False), (False, True), (False, False)])
+def test_body_that_stalls_midway_is_resumed_with_range(serve, tmp_path, direct_io, use_splice):
+    """The first answer breaks off after half the bytes and hangs; the client times out, keeps every byte that
+    arrived and resumes from there (each of the three ways of landing bytes)."""
+    script = honest()
+    first = threading.Event()
+
+    def flaky(path, headers, conn):
+        if path.endswith("model.safetensors") and not first.is_set():
+            first.set()
+            conn.sendall(
+                response(
+                    206,
+                    DATA[: len(DATA) // 2],
+                    {"Content-Range": f"bytes 0-{len(DATA) - 1}/{len(DATA)}"},
+                    length=len(DATA),
+                )
+            )
+            server.stall()
+        else:
+            script(path, headers, conn)
+
+    server = serve(flaky)
+    result = client(server.url, timeout=0.5, part_bytes=8 << 20, direct_io=direct_io, use_splice=use_splice).fetch(
+        1, tmp_path
+    )
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    ranges = [h["Range"] for p, h in server.requests if p.endswith("model.safetensors")]
+    assert ranges == [f"bytes=0-{len(DATA) - 1}", f"bytes={len(DATA) // 2}-{len(DATA) - 1}"]
+    assert result.servers[server.url]["errors"] == 1 and result.received_bytes == sum(map(len, FILES.values()))
+
+
+def test_wrong_range_answer_is_not_written(serve, tmp_path):
+    """A server that answers a Range request with the whole file from byte 0 is refused, not trusted."""
+
+    def script(path, headers, conn):
+        if path.endswith("model.safetensors") and headers["Range"] != f"bytes=0-{len(DATA) - 1}":
+            conn.sendall(response(200, DATA))
+        else:
+            honest()(path, headers, conn)
+
+    server = serve(script)
+    with pytest.raises(FetchError, match="ignored the Range request"):
+        client(server.url, part_bytes=1 << 20, patience=0.5).fetch(1, tmp_path)
+
+
+def test_every_server_sending_wrong_bytes_fails_the_fetch(serve, tmp_path):
+    bad = dict(FILES, **{"model.safetensors": DATA[:-1] + b"\x00"})
+    server = serve(honest(files=bad, manifest=manifest_bytes()))
+    with pytest.raises(FetchError, match="every server sent bytes that failed the sha256 check"):
+        client(server.url).fetch(1, tmp_path)
+    assert not (tmp_path / "v000001").exists()
+
+
+def test_wait_for_version_long_polls_every_server(serve, tmp_path):
+    def later(path, headers, conn):
+        time.sleep(0.3)
+        conn.sendall(response(200, b'{"latest": 5, "versions": [4, 5]}'))
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    good = serve(later)
+    c = client(f"{dead},{good.url}")
+    assert c.wait_for_version(after=4, timeout=10) == 5
+    assert "wait=" in good.requests[0][0] and "after=4" in good.requests[0][0]
+    with pytest.raises(WaitTimeout, match="no version newer than 5"):
+        c.wait_for_version(after=5, timeout=1.0)
+
+
+@pytest.mark.parametrize("use_splice", [True, False] if HAVE_SPLICE else [False])
+def test_receive_into_file_at_an_offset(serve, tmp_path, use_splice):
+    server = serve(lambda path, headers, conn: conn.sendall(response(200, DATA)))
+    path = tmp_path / "f"
+    path.write_bytes(b"\x01" * (len(DATA) + 100))
+    seen = []
+    resp = open_get(parse_server_url(server.url), "/x", timeout=2)
+    with open(path, "r+b") as f:
+        receive_into_file(resp, f.fileno(), 100, len(DATA), timeout=2, progress=seen.append, use_splice=use_splice)
+    resp.close()
+    assert path.read_bytes() == b"\x01" * 100 + DATA and sum(seen) == len(DATA)
+
+
+def test_a_hung_server_does_not_hold_up_the_others(serve, tmp_path):
+    hung = serve(lambda path, headers, conn: hung.stall())
+    good = serve(honest())
+    c = client(f"{hung.url},{good.url}", timeout=20)
+    start = time.monotonic()
+    result = c.fetch("latest", tmp_path)
+    assert time.monotonic() - start < 10  # not the 20 s the hung server could take
+    assert result.version == 1 and (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert "no answer to /versions in time" in c.last_errors[parse_server_url(hung.url)]
+
+
+# ---- direct I/O (the default of a client) ------------------------------------------------------------------
+
+
+def test_direct_io_lands_exact_bytes_and_returns_every_buffer(serve, tmp_path):
+    """Parts of 64 KiB through a pool of 2 * 4 + 2 buffers, four workers, two servers of which one answers every
+    part late: the pool never deadlocks, every byte lands, and every buffer is back in the pool."""
+    fast = serve(honest())
+    slow_script = honest()
+
+    def slow(path, headers, conn):
+        time.sleep(0.01)
+        slow_script(path, headers, conn)
+
+    slow_server = serve(slow)
+    c = client(f"{fast.url},{slow_server.url}", parallel=4, buffer_bytes=64 << 10)
+    result = c.fetch(1, tmp_path)
+    assert result.direct_io and (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    ranges = [h["Range"] for p, h in fast.requests + slow_server.requests if p.endswith("model.safetensors")]
+    assert len(ranges) == len(DATA) // (64 << 10)  # parts are at most one buffer long
+    assert c.buffers.available() == 10
+    assert not client(fast.url, direct_io=False).fetch(1, tmp_path / "paged").direct_io
+
+
+def test_interrupted_direct_fetch_resumes_whole_parts(serve, tmp_path):
+    """A server that breaks off in the fifth 256 KiB part: the journal keeps the parts that were written and
+    hashed, and the next fetch asks only for the rest."""
+    part = 256 << 10
+    script = honest()
+
+    def breaks(path, headers, conn):
+        if path.endswith("model.safetensors") and int(headers["Range"].split("=")[1].split("-")[0]) >= 4 * part:
+            conn.sendall(
+                response(
+                    206,
+                    DATA[4 * part : 4 * part + 10],
+                    {"Content-Range": f"bytes {4 * part}-{5 * part - 1}/{len(DATA)}"},
+                    length=part,
+                )
+            )
+            return
+        script(path, headers, conn)
+
+    broken = serve(breaks)
+    c = client(broken.url, parallel=1, buffer_bytes=part, patience=0.5)
+    with pytest.raises(FetchError, match="nothing received"):
+        c.fetch(1, tmp_path)
+    assert c.buffers.available() == 4
+    good = serve(honest())
+    result = client(good.url, parallel=1, buffer_bytes=part).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.resumed_bytes == 4 * part + len(FILES["config.json"])  # config.json had landed too
+    first = min(int(h["Range"].split("=")[1].split("-")[0]) for p, h in good.requests if p.endswith(".safetensors"))
+    assert first == 4 * part
+
+
+def test_direct_fetch_with_a_lying_server_refetches_through_the_page_cache(serve, tmp_path):
+    """One of two servers flips a byte: the file fails its check, is fetched again from one server at a time,
+    and the liar ends up distrusted once its bytes alone fail."""
+    bad = dict(FILES, **{"model.safetensors": DATA[:100] + bytes([DATA[100] ^ 1]) + DATA[101:]})
+    liar = serve(honest(files=bad, manifest=manifest_bytes()))
+    good = serve(honest())
+    result = client(f"{liar.url},{good.url}", parallel=2, buffer_bytes=1 << 20, patience=5).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.servers[good.url]["distrusted"] is False
+
+
+def test_buffer_pool_lends_nothing_before_its_pages_are_touched(monkeypatch):
+    """The pool touches its pages in a background thread by writing into them: a download that claimed the
+    pool before that was over would have bytes it received overwritten with zeros (a fetch right after the
+    client was made then failed its sha256 check now and then)."""
+    from bridge.shardcast import direct
+
+    touch = direct.BufferPool._touch
+
+    def slow_touch(self):
+        time.sleep(0.3)  # a loaded machine
+        touch(self)
+
+    monkeypatch.setattr(direct.BufferPool, "_touch", slow_touch)
+    pool = direct.BufferPool(2, 4 * mmap.PAGESIZE)
+    assert pool.claim()
+    buf = pool.take()
+    buf[:] = b"\xff" * len(buf)  # what a transfer receives
+    time.sleep(0.5)  # the touch thread has certainly finished
+    assert buf[:] == b"\xff" * len(buf)
+
+
+def test_write_part_aligned_bulk_unaligned_tail_and_refusal(tmp_path):
+    from bridge.shardcast.direct import ALIGN, open_direct, write_part
+
+    path = tmp_path / "f"
+    path.write_bytes(b"\x00" * (3 * ALIGN + 300))
+    dfd, fd = open_direct(path), os.open(path, os.O_RDWR)
+    assert dfd is not None  # the test filesystem takes O_DIRECT
+    try:
+        buf = mmap.mmap(-1, 2 * ALIGN + 300)  # page-aligned, as the pool's buffers are
+        buf[:] = DATA[: len(buf)]
+        assert write_part(dfd, fd, memoryview(buf), ALIGN)  # 2 blocks direct, 300 bytes through the page cache
+        assert path.read_bytes()[ALIGN:] == DATA[: len(buf)]
+        unaligned = memoryview(bytearray(b"\x07" * (ALIGN + 1)))[1:]  # the kernel refuses this address
+        assert ctypes.addressof(ctypes.c_char.from_buffer(unaligned)) % 512
+        assert write_part(dfd, fd, unaligned, 0) is False  # O_DIRECT refused it: written through the page cache
+        assert path.read_bytes()[:ALIGN] == b"\x07" * ALIGN
+    finally:
+        os.close(dfd)
+        os.close(fd)

@@ -1,0 +1,82 @@
+"""The launcher's supervision of its roles, with small real processes standing in for the roles: a role that
+exits is named with the end of its log and stops the run, or is restarted when configured; stopping leaves no
+process behind; a child dies with the launcher (PR_SET_PDEATHSIG)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from intellect.config_io import load_config
+from intellect.launcher import Launcher, Role, RoleFailed
+
+
+class NoView:
+    def update(self, status):
+        self.last = status
+
+
+def launcher(tmp_path, **overrides):
+    flags = [f"--run.dir={tmp_path / 'run'}", *(f"--{k}={v}" for k, v in overrides.items())]
+    la = Launcher(load_config(None, flags, env={}), None, [], console=None)
+    la.orch_url = "http://127.0.0.1:9"  # nothing listens: the status view must cope
+    return la
+
+
+def role(tmp_path, name, code):
+    return Role(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def test_a_dying_role_is_named_with_its_log_and_stops_the_run(tmp_path):
+    la = launcher(tmp_path)
+    la.roles = {
+        "learner": role(tmp_path, "learner", "import time; time.sleep(60)"),
+        "worker0": role(tmp_path, "worker0", "print('cuda out of memory, giving up'); raise SystemExit(7)"),
+    }
+    for r in la.roles.values():
+        r.start()
+    try:
+        with pytest.raises(RoleFailed) as err:
+            la.supervise(NoView())
+        assert "worker0 exited with 7" in str(err.value) and "cuda out of memory" in str(err.value)
+    finally:
+        la.stop_all()
+    assert all(not r.alive() for r in la.roles.values())
+
+
+def test_restart_failed_starts_the_role_again_and_the_run_ends_with_the_learner(tmp_path):
+    la = launcher(tmp_path, **{"run.restart_failed": "true"})
+    la.roles = {
+        "learner": role(tmp_path, "learner", "import time; time.sleep(4)"),
+        "validator0": role(tmp_path, "validator0", "raise SystemExit(1)"),
+    }
+    for r in la.roles.values():
+        r.start()
+    la.supervise(NoView())
+    la.stop_all()
+    assert la.roles["validator0"].restarts >= 1
+    assert la.roles["learner"].proc.returncode == 0
+
+
+def test_children_die_with_the_launcher(tmp_path):
+    code = (
+        "import sys, time; sys.path.insert(0, %r); from intellect.launcher import Role; "
+        "r = Role('child', [sys.executable, '-c', 'import time; time.sleep(120)'], __import__('pathlib').Path(%r)); "
+        "r.start(); print(r.proc.pid, flush=True); time.sleep(120)"
+    ) % (os.getcwd(), str(tmp_path / "child.log"))
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(child, 0)  # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the child outlived its launcher")

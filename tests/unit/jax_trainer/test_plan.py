@@ -1,0 +1,72 @@
+"""The learner's memory plan (`jax_trainer.plan`, `intellect plan`) on tiny models."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jax_trainer.config import LossConfig, OptimConfig
+from jax_trainer.models import ModelConfig, abstract_model, init_random
+from jax_trainer.plan import extrapolate_layers, plan_step
+from jax_trainer.sharding import make_mesh
+from jax_trainer.train_step import GRPOTrainer
+
+CFG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qkv_bias=True,
+    tie_embeddings=False,
+)
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0)
+
+
+def _trainer(cfg, mesh, remat=False):
+    return GRPOTrainer(abstract_model(cfg, remat=remat), mesh, LossConfig(), OPTIM)
+
+
+def test_plan_counts_the_parameters_and_adam_moments_of_each_shard():
+    one = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    concrete = init_random(CFG, mesh=one)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(concrete, nnx.Param)))
+    plan = plan_step(_trainer(CFG, one), micro_batches=2, rows=2, seq_len=32)
+    assert plan.params == 4 * n_params
+    assert 2 * plan.params <= plan.opt_state <= 2 * plan.params + 1024  # mu and nu, plus step counters
+    assert plan.batch == 7 * 4 * 2 * 2 * 32  # seven int32 / float32 arrays of [2, 2, 32]
+    assert plan.temporaries >= plan.params  # the accumulated gradients at least
+    assert plan.peak >= plan.params + plan.opt_state + plan.temporaries
+    sharded = plan_step(_trainer(CFG, make_mesh(fsdp=-1)), micro_batches=2, rows=8, seq_len=32)
+    assert sharded.devices == 8 and sharded.params < plan.params / 3  # fsdp shards what divides
+
+
+def test_depth_extrapolation_matches_a_direct_compile():
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    deep = dataclasses.replace(CFG, num_layers=3)
+    plans = {
+        n: plan_step(_trainer(dataclasses.replace(CFG, num_layers=n), mesh, remat=True), 1, 2, 64) for n in (1, 2, 3)
+    }
+    guess = extrapolate_layers(plans[1], plans[2], deep.num_layers, 1, 2)
+    for field in ("params", "opt_state", "temporaries", "peak"):
+        direct, extrapolated = getattr(plans[3], field), getattr(guess, field)
+        assert abs(extrapolated - direct) <= 0.1 * direct, (field, direct, extrapolated)
+    assert "extrapolated" in guess.lines()[0]
+
+
+def test_plan_command_says_whether_it_fits(tiny_model):
+    base = tiny_model()
+    cmd = [sys.executable, "-m", "intellect", "plan", "configs/demo.toml", "--model.path", str(base)]
+    fits = subprocess.run(cmd + ["--device-memory-gib", "4"], capture_output=True, text=True, timeout=300)
+    assert fits.returncode == 0 and "fits in 4.00 GiB" in fits.stdout, fits.stdout + fits.stderr[-2000:]
+    assert "parameters" in fits.stdout and "optimizer state" in fits.stdout and "step temporaries" in fits.stdout
+    tight = subprocess.run(cmd + ["--device-memory-gib", "0.001"], capture_output=True, text=True, timeout=300)
+    assert tight.returncode == 1 and "DOES NOT FIT" in tight.stdout, tight.stdout + tight.stderr[-2000:]
