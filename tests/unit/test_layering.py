@@ -118,6 +118,8 @@ def _violations(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> list[s
         (("jax_trainer",), TORCH),
         (("gpu_workers",), JAX),
         (("orchestrator",), tuple(p for p in PACKAGES if p != "bridge")),
+        (("jax_trainer",), ("gpu_workers", "orchestrator")),
+        (("gpu_workers",), ("jax_trainer", "orchestrator")),
         (LIBRARIES, ("intellect",)),
     ],
     ids=[
@@ -126,6 +128,8 @@ def _violations(packages: tuple[str, ...], forbidden: tuple[str, ...]) -> list[s
         "jax_trainer-no-torch",
         "gpu_workers-no-jax",
         "orchestrator-only-bridge",
+        "jax_trainer-no-other-role",
+        "gpu_workers-no-other-role",
         "libraries-no-intellect",
     ],
 )
