@@ -102,8 +102,9 @@ def test_grpo_curve_matches_the_golden_one():
         GOLDEN.write_text(
             json.dumps(
                 {
-                    "about": "per-step loss, mean reward and p(token < 8) of tests/unit/jax_trainer/test_golden_grpo.py; "
-                    "regenerate with GOLDEN_UPDATE=1 .venv/bin/python -m pytest tests/unit/jax_trainer/test_golden_grpo.py",
+                    "about": "per-step loss, mean reward and p(token < 8) of "
+                    "tests/unit/jax_trainer/test_golden_grpo.py; regenerate with GOLDEN_UPDATE=1 "
+                    ".venv/bin/python -m pytest tests/unit/jax_trainer/test_golden_grpo.py",
                     **curve,
                 },
                 indent=1,
