@@ -8,7 +8,7 @@ Defaults come from the config's `[run]` and `[shardcast]` sections (the origin s
 `shardcast.host:port`; a relay mirrors `shardcast.servers`, else the origin; a client asks
 `shardcast.relays`, else the origin); tunables (timeouts, parallelism, retention) are config keys, e.g.
 `--shardcast.timeout_s 10`. Servers print `shardcast ROLE: serving DIR on URL` once they listen and stop
-cleanly on SIGINT/SIGTERM. `--test-fault` makes a server misbehave on purpose, for tests only.
+cleanly on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-
-_FAULT_HELP = "TEST ONLY: serve wrong bytes ('corrupt') or throttle file bodies ('slow:BYTES_PER_S')"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     origin.add_argument("--host", help="address to listen on (default: shardcast.host)")
     origin.add_argument("--port", type=int, help="port to listen on, 0 for any free one (default: shardcast.port)")
-    origin.add_argument("--test-fault", help=_FAULT_HELP)
 
     relay = role("relay", "mirror upstream servers and serve what has been verified")
     relay.add_argument(
@@ -51,7 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="orchestrator whose announced manifest sha256s the relay pins "
         "(default: worker.orchestrator_url; none when shardcast.pin_manifests is false)",
     )
-    relay.add_argument("--test-fault", help=_FAULT_HELP)
 
     fetch = role("fetch", "download a version, verified, into DIR/v000123/")
     fetch.add_argument("--servers", help="URL[,URL...] to fetch from (default: shardcast.relays, else the origin)")
@@ -126,10 +122,8 @@ def _serve(role: str, directory: Path, make) -> int:
 
 def _origin(args, config) -> int:
     from bridge.shardcast.origin import serve_origin
-    from bridge.shardcast.server import parse_test_fault
 
     sc = config.shardcast
-    parse_test_fault(args.test_fault)
     directory = args.dir or config.run.weights_dir
     directory.mkdir(parents=True, exist_ok=True)  # the learner may not have exported anything yet
     return _serve(
@@ -140,7 +134,6 @@ def _origin(args, config) -> int:
             host=args.host or sc.host,
             port=sc.port if args.port is None else args.port,
             ready=ready,
-            test_fault=args.test_fault,
             **_server_limits(sc),
         ),
     )
@@ -149,10 +142,8 @@ def _origin(args, config) -> int:
 def _relay(args, config) -> int:
     from bridge.shardcast.names import parse_server_list
     from bridge.shardcast.relay import serve_relay
-    from bridge.shardcast.server import parse_test_fault
 
     sc = config.shardcast
-    parse_test_fault(args.test_fault)
     upstreams = parse_server_list(args.upstream or sc.servers or [origin_url(sc)])
     keep = sc.keep_versions if args.keep is None else args.keep
     pin_url = args.orchestrator or (config.worker.orchestrator_url if sc.pin_manifests else None)
@@ -175,7 +166,6 @@ def _relay(args, config) -> int:
             part_bytes=sc.part_mib << 20,
             max_version_bytes=int(sc.max_version_gib * 2**30),
             fsync=sc.fsync,
-            test_fault=args.test_fault,
             pin_url=pin_url,
             **_server_limits(sc),
         ),

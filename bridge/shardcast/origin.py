@@ -24,15 +24,12 @@ async def serve_origin(
     ready: Callable[[str], None],
     timeout: float = 30.0,
     limits: ServerLimits = ServerLimits(),
-    test_fault: str | None = None,
     poll_s: float = 0.05,
 ) -> None:
     """Serve until cancelled; `ready(url)` is called once the port is bound."""
     store = VersionStore(Path(root))
     store.scan()
-    server = ShardcastServer(
-        store, role="origin", host=host, port=port, timeout=timeout, limits=limits, test_fault=test_fault
-    )
+    server = ShardcastServer(store, role="origin", host=host, port=port, timeout=timeout, limits=limits)
     ready(await server.start())
     try:
         while True:

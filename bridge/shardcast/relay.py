@@ -288,7 +288,6 @@ async def serve_relay(
     max_version_bytes: int | None = None,
     fsync: bool = True,
     limits: ServerLimits = ServerLimits(),
-    test_fault: str | None = None,
     pin_url: str | None = None,
 ) -> None:
     """Mirror and serve until cancelled; `ready(url)` is called once the port is bound. `pin_url`: the
@@ -313,9 +312,7 @@ async def serve_relay(
     store = VersionStore(root, keep=keep, grace_s=grace_s)
     store.scan()
     _leftovers(root, store.latest)
-    server = ShardcastServer(
-        store, role="relay", host=host, port=port, timeout=timeout, limits=limits, test_fault=test_fault
-    )
+    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout, limits=limits)
     ready(await server.start())
     loop = asyncio.get_running_loop()
     stop = threading.Event()

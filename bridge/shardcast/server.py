@@ -20,9 +20,6 @@ Bounds against hostile clients (`ServerLimits`; the recipe's `[shardcast]` secti
 - responses: a client that takes more than `timeout` seconds to accept the next `SEND_CHUNK` bytes is
   dropped (sendfile keeps nothing in memory meanwhile); long-polls are capped at `MAX_WAIT` seconds.
 - `Range`: one range of `bytes=` only; anything that selects no byte (`bytes=-0`, a start past the end) is 416.
-
-`test_fault` exists for the tests only: "corrupt" flips one byte in every MiB a file response carries;
-"slow:RATE" sends file bytes at RATE bytes/s. Neither is reachable from a recipe, only from the command line.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ log = logging.getLogger("shardcast.server")
 
 SEND_CHUNK = 4 << 20
 MAX_WAIT = 60.0
-FAULT_BLOCK = 1 << 20
 EVICT_AFTER_S = 1.0  # a connection may be displaced once it has done nothing useful for this long
 _JSON = "application/json"
 _RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})", re.ASCII | re.IGNORECASE)
@@ -101,23 +97,6 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if start >= stop:
         raise ValueError(f"the range starts past the file's {size} bytes")
     return start, stop - start
-
-
-def parse_test_fault(text: str | None) -> tuple[str, float] | None:
-    """`corrupt` or `slow:BYTES_PER_S` -> (kind, rate); None -> None."""
-    if text is None:
-        return None
-    kind, _, rate = text.partition(":")
-    if kind == "corrupt" and not rate:
-        return ("corrupt", 0.0)
-    if kind == "slow":
-        try:
-            value = float(rate)
-        except ValueError:
-            value = 0.0
-        if value > 0:
-            return ("slow", value)
-    raise ShardcastError(f"--test-fault {text!r}: expected 'corrupt' or 'slow:BYTES_PER_S'")
 
 
 class _Connection(RequestHandler):
@@ -291,11 +270,9 @@ class ShardcastServer:
         port: int,
         timeout: float = 30.0,
         limits: ServerLimits = ServerLimits(),
-        test_fault: str | None = None,
     ):
         self.store, self.role, self.host, self.port = store, role, host, port
         self.timeout, self.limits = timeout, limits
-        self.fault = parse_test_fault(test_fault)
         line = min(8190, limits.max_header_bytes)
         # lingering_time 0: a request body is never read (413 closes the connection instead)
         self._server = _LimitedServer(
@@ -442,29 +419,11 @@ class ShardcastServer:
                 return resp
 
     async def _send(self, request, resp, f, offset: int, count: int) -> None:
-        if self.fault is not None:
-            return await self._send_faulty(resp, f, offset, count)
         loop = asyncio.get_running_loop()
         while count:
             n = min(count, SEND_CHUNK)
             if request.transport is None:
                 raise ConnectionResetError("client went away")
             await asyncio.wait_for(loop.sendfile(request.transport, f, offset, n), self.timeout)
-            offset += n
-            count -= n
-
-    async def _send_faulty(self, resp, f, offset: int, count: int) -> None:
-        kind, rate = self.fault
-        step = max(1, min(FAULT_BLOCK, int(rate / 10))) if kind == "slow" else FAULT_BLOCK
-        loop = asyncio.get_running_loop()
-        while count:
-            n = min(count, step)
-            data = bytearray(await loop.run_in_executor(None, os.pread, f.fileno(), n, offset))
-            if kind == "corrupt":
-                for pos in range(-offset % FAULT_BLOCK, len(data), FAULT_BLOCK):
-                    data[pos] ^= 0xFF
-            await asyncio.wait_for(resp.write(data), self.timeout)
-            if kind == "slow":
-                await asyncio.sleep(n / rate)
             offset += n
             count -= n

@@ -2,7 +2,7 @@
 
 Versions are written here by hand (files, a manifest made with hashlib, STABLE last), and what lands is
 compared byte for byte with what was written: the reference is the data itself. Failures are staged with
-the servers' test-only `--test-fault` flag (corrupt bytes, throttled bodies) and with SIGKILL.
+servers built by faulty_shardcast.py (corrupt bytes, throttled bodies) and with SIGKILL.
 """
 
 from __future__ import annotations
@@ -134,7 +134,15 @@ class Cluster:
         self.env = {k: v for k, v in os.environ.items() if not k.upper().startswith("INTELLECT_")}
 
     def start(self, role: str, *args: str, name: str) -> Proc:
-        proc = Proc([sys.executable, "-m", "intellect", "shardcast", role, *args], self.tmp / f"{name}.log", self.env)
+        """`intellect shardcast ROLE ARGS`; with `--test-fault FAULT` among `args`, the misbehaving server of
+        faulty_shardcast.py (the shipped command has no such flag)."""
+        args = list(args)
+        command = [sys.executable, "-m", "intellect"]
+        if "--test-fault" in args:
+            i = args.index("--test-fault")
+            command = [sys.executable, str(Path(__file__).with_name("faulty_shardcast.py")), args[i + 1]]
+            del args[i : i + 2]
+        proc = Proc([*command, "shardcast", role, *args], self.tmp / f"{name}.log", self.env)
         self.procs.append(proc)
         return proc
 
