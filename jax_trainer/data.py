@@ -338,6 +338,11 @@ class RolloutPipeline:
                     return item
                 if deadline is not None and time.monotonic() >= deadline:
                     extra = f"; last listing error: {self._listing_error}" if self._listing_error else ""
+                    if self._counts.get("filtered_batches"):
+                        extra += (
+                            f"; {self._counts['filtered_batches']} accepted batches were filtered out because every "
+                            "group's rewards were equal (zero advantage; see data.online_filter)"
+                        )
                     raise TimeoutError(
                         f"rollout pipeline: step {step} has {have} of {self.samples_per_step} "
                         f"samples and no further accepted batch arrived in time{extra}"

@@ -331,7 +331,8 @@ def test_all_zero_rounds_gather_again_and_trusted_mode_uses_worker_rewards():
     ref = reference_advantages({"useful": batch}, rewards)
     assert {k: a for k, a, _ in segments(step.packed)} == pytest.approx(ref, rel=1e-5, abs=1e-6)
     with RolloutPipeline(store, StoreListing(store, trust_worker_rewards=True), samples_per_step=16, **PACK) as pipe:
-        with pytest.raises(TimeoutError):  # worker rewards 1.0 and 0.0 per batch: every group is flat
+        # worker rewards 1.0 and 0.0 per batch: every group is flat, and the time-out says why nothing came
+        with pytest.raises(TimeoutError, match="2 accepted batches were filtered out because every group's rewards"):
             pipe.next(0, timeout=0.5)
         assert pipe.cursor()["totals"] == {"batches": 2, "filtered_batches": 2}
 
