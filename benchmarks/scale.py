@@ -480,7 +480,7 @@ def main() -> int:
                 ],
                 {"bytes": sum(p.stat().st_size for p in version.glob("*") if p.is_file())},
             )
-            out["shardcast"].update(_child_json(work / "shardcast.log"))
+            out["shardcast"]["fetch"] = _child_json(work / "shardcast.log")  # its own figures
         finally:
             for p in procs:
                 os.killpg(p.pid, signal.SIGTERM)
