@@ -30,21 +30,16 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from intellect.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("matmul", "import", "train", "export", "shardcast", "engine", "validator")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict[str, str]:
@@ -414,7 +409,7 @@ def main() -> int:
         (work / "weights").mkdir(parents=True)
         stage("export", intellect + ["export", str(work / "run" / "checkpoints"), str(version), "--dtype", "bfloat16"])
     if "shardcast" in stages:
-        port, relay_port = _free_port(), _free_port()
+        port, relay_port = free_port(), free_port()
         procs = []
         fetched = Path(tempfile.mkdtemp(dir=work, prefix="fetched-"))
         try:
