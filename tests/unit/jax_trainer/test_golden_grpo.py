@@ -11,9 +11,10 @@ and trains on them with the recipe's loss defaults, two optimizer steps per batc
 away from 1 and the clipping) and a warmed-up cosine schedule. It takes 15-30 s on a loaded 2-core machine.
 
 Tolerance: loss, gradient norm, entropy and the policy's probability of a rewarded token within 1e-4 relative
-plus 1e-6 absolute; rewards exactly (they are counts / 32). Float32 sums over a few hundred tokens on one
-device repeat exactly; a change of the objective or the optimizer moves them by
-orders of magnitude more.
+plus 1e-6 absolute, except the loss: 1e-3 absolute (it averages the two optimizer steps of a batch, and the
+second follows AdamW's first, sign-like step: in the full suite's process the first loss differed by 2-3e-4
+from a fresh process's while every other number agreed); rewards exactly (they are counts / 32). A change of
+the objective or the optimizer moves them by orders of magnitude more.
 
 When a change is meant to move the numbers, regenerate the file and commit it with the change, saying why:
 
@@ -40,6 +41,7 @@ from jax_trainer.train_step import GRPOTrainer
 GOLDEN = Path(__file__).with_name("golden") / "grpo_curve.json"
 STEPS, SAMPLES, GROUP, REWARDED = 8, 32, 8, 8  # reward 1 for tokens 0..7
 RTOL, ATOL = 1e-4, 1e-6
+LOSS_ATOL = 1e-3  # the loss averages both optimizer steps of a batch; see the module docstring
 
 
 def run_curve() -> dict[str, list[float]]:
@@ -116,5 +118,6 @@ def test_grpo_curve_matches_the_golden_one():
     golden = json.loads(GOLDEN.read_text())
     assert curve["reward_mean"] == golden["reward_mean"], (curve["reward_mean"], golden["reward_mean"])
     for key in ("loss", "grad_norm", "entropy", "p_rewarded"):
-        np.testing.assert_allclose(curve[key], golden[key], rtol=RTOL, atol=ATOL, err_msg=key)
+        atol = LOSS_ATOL if key == "loss" else ATOL
+        np.testing.assert_allclose(curve[key], golden[key], rtol=RTOL, atol=atol, err_msg=key)
     assert golden["p_rewarded"][-1] > golden["p_rewarded"][0], "the run no longer learns the rewarded tokens"
