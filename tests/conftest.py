@@ -25,6 +25,18 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _keep_xla_flags():
+    """A command run in-process (`intellect train`) appends its speed flags to `XLA_FLAGS`; they must not reach
+    the processes that later tests start."""
+    before = os.environ.get("XLA_FLAGS")
+    yield
+    if before is None:
+        os.environ.pop("XLA_FLAGS", None)
+    else:
+        os.environ["XLA_FLAGS"] = before
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """Factory `tiny_model(family="qwen2", **make_tiny_model_kwargs) -> Path`.

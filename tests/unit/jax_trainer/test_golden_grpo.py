@@ -11,10 +11,11 @@ and trains on them with the recipe's loss defaults, two optimizer steps per batc
 away from 1 and the clipping) and a warmed-up cosine schedule. It takes 15-30 s on a loaded 2-core machine.
 
 Tolerance: loss, gradient norm, entropy and the policy's probability of a rewarded token within 1e-4 relative
-plus 1e-6 absolute; rewards exactly (they are counts / 32). The run has its own interpreter: inside the full
-suite's process its first step came out differently (loss by 2-3e-4, gradient norm by 1e-3 relative) than in
-a fresh one, which repeats the stored values exactly. A change of the objective or the optimizer moves them by
-orders of magnitude more.
+plus 1e-6 absolute; rewards exactly (they are counts / 32). The run has its own interpreter with its own
+`XLA_FLAGS` (XLA's default CPU numerics): the learner's speed flag
+`--xla_cpu_experimental_ynn_fusion_type` fuses work into the matmuls and moves the first loss by 2.3e-4, and
+an in-process `intellect train` elsewhere in the suite used to leave it in the environment. A change of the
+objective or the optimizer moves the numbers by orders of magnitude more.
 
 When a change is meant to move the numbers, regenerate the file and commit it with the change, saying why:
 
@@ -101,9 +102,10 @@ def run_curve() -> dict[str, list[float]]:
 
 
 def run_curve_in_a_fresh_process() -> dict[str, list[float]]:
-    """`run_curve` in its own interpreter, with this process's environment: what ran before it in the test
-    process (compiled programs, JAX's state) must not reach its numbers."""
-    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    """`run_curve` in its own interpreter with XLA's default flags: neither what ran before it in the test
+    process (compiled programs, JAX's state) nor flags left in the environment may reach its numbers."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
