@@ -201,12 +201,18 @@ class SamplingTolerance:
     """Largest difference between the worker's and the validator's raw logits the replay check allows for
     (None: `REPLAY_LOGIT_TOLERANCE` of the pool's dtype). A token whose noisy score z_t + g_t falls short of
     the best noisy score by more than 2 x this / T is not the seed's choice."""
-    near_ties_per_sample: float = 3.0
-    """Tokens per sample that may differ from the validator's own replayed choice (inside the margin) ..."""
+    near_tie_floor: float = 0.25
+    """What a near tie (a token that passes the replay without being the validator's own choice) costs against
+    the budgets below: `near_tie_floor` + (1 - `near_tie_floor`) x its gap / the margin. Engines' rounding flips
+    a choice only where the two best noisy scores almost touch, so honest near ties have small gaps (an honest
+    bfloat16 worker at the Qwen2.5-0.5B shape: 3.7-4.7% of its tokens were near ties, none with a gap over 0.21
+    of the margin); a choice made on purpose anywhere inside the margin costs up to 1."""
+    near_ties_per_sample: float = 1.0
+    """Near-tie cost allowed per sample (and per batch) ..."""
     near_ties_per_token: float = 0.05
-    """... plus this many per completion token."""
-    near_ties_per_batch_token: float = 0.04
-    """Such disagreements across the whole batch, per completion token (plus `near_ties_per_sample`)."""
+    """... plus this much per completion token of the sample."""
+    near_ties_per_batch_token: float = 0.02
+    """Near-tie cost allowed across the whole batch, per completion token (plus `near_ties_per_sample`)."""
 
 
 @dataclass(frozen=True)
@@ -464,8 +470,10 @@ REPLAY_LOGIT_TOLERANCE = {"float32": 0.02, "float16": 0.25, "bfloat16": 0.75}
 """Default `SamplingTolerance.replay_logit_tolerance` per worker dtype, from honest vLLM-worker / transformers-
 validator runs (`tests/integration/test_replay_attacks.py` prints them): the largest replay gap seen was 0.50
 logit units in bfloat16 (a peaked policy at T 0.6, top-p 0.9) and 0 in float32; the defaults leave room for
-larger models, whose logits are larger and round coarser in bfloat16. The near-tie budgets below were set
-from the same runs: up to 1.7% of an honest bfloat16 completion's tokens were near ties (none in float32)."""
+larger models, whose logits are larger and round coarser in bfloat16. Near ties grow with the model: at most 1.7%
+of an honest bfloat16 tiny model's tokens (none in float32), 3.7-5.1% at the Qwen2.5-0.5B shape with random
+weights (a flat policy), each with a gap under 0.21 of the margin; `SamplingTolerance.near_tie_floor` prices
+them by their gap."""
 
 
 def check_replay_batch(
@@ -482,7 +490,8 @@ def check_replay_batch(
     g(seed, i, j) and the best noisy score; the submitted token t passes when z_t + g_t is within the margin
     2 d / T of that best score (d = the logit tolerance), since each of the two scores can be off by d / T. A
     token that passes without being the validator's own argmax is a near tie: it may be an honest rounding
-    difference or a cheater's choice, so near ties are counted against a per-sample and a per-batch budget.
+    difference or a cheater's choice, so near ties are priced by their gap (`SamplingTolerance.near_tie_floor`)
+    against a per-sample and a per-batch budget.
     With top-p < 1, a best token that the worker's logits could have left outside its nucleus is passed over.
 
     The typicality score is a second signal, reported, not judged: the sample's summed logprob minus its
@@ -544,7 +553,10 @@ def _replay(
                 choice[redo], best[redo] = noisy_max(masked[redo], [int(seed)] * int(redo.sum()), rows[redo].tolist())
         gap = best - score
         off = torch.nonzero(gap > margin).flatten()
-        near = int(((choice != tokens) & (gap <= margin)).sum())
+        near_mask = (choice != tokens) & (gap <= margin)
+        near = int(near_mask.sum())
+        floor = tolerance.near_tie_floor
+        cost = float((floor + (1 - floor) * gap[near_mask] / margin).sum())
         logp = torch.log_softmax(masked, dim=-1)
         p = logp.exp()
         plogp = torch.where(kept, p * logp, torch.zeros_like(p))
@@ -557,6 +569,7 @@ def _replay(
             "tokens": n,
             "off_seed_tokens": len(off),
             "near_ties": near,
+            "near_tie_cost": cost,
             "near_tie_budget": budget,
             "margin": margin,
             "max_gap": float(gap.max()),
@@ -572,8 +585,11 @@ def _replay(
                 f"noisy score short of the best by {[round(float(gap[i]), 3) for i in shown]}, margin "
                 f"{margin:.3g} at temperature {temperature})"
             )
-        if near > budget:
-            reasons.append(f"{near} near-tie tokens differ from the seed's replayed choice (budget {budget:.1f})")
+        if cost > budget:
+            reasons.append(
+                f"{near} near-tie tokens differ from the seed's replayed choice: cost {cost:.2f} over the budget "
+                f"{budget:.2f} (largest gap {float(gap[near_mask].max()) / margin:.2f} of the margin)"
+            )
         verdicts.append(CheckVerdict("replay", not reasons, tuple(reasons), numbers))
     return verdicts
 
@@ -581,18 +597,19 @@ def _replay(
 def check_near_tie_budget(
     replayed: Sequence[CheckVerdict], tolerance: SamplingTolerance = SamplingTolerance()
 ) -> CheckVerdict:
-    """The batch's near ties (summed over its samples' replay verdicts) within the per-batch budget."""
+    """The batch's near ties (their cost summed over its samples' replay verdicts) within the per-batch budget."""
     near = sum(int(v.numbers.get("near_ties", 0)) for v in replayed)
+    cost = sum(float(v.numbers.get("near_tie_cost", 0.0)) for v in replayed)
     tokens = sum(int(v.numbers.get("tokens", 0)) for v in replayed)
     budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_batch_token * tokens
-    numbers = {"near_ties": near, "near_tie_budget": budget, "tokens": tokens}
-    if near > budget:
+    numbers = {"near_ties": near, "near_tie_cost": cost, "near_tie_budget": budget, "tokens": tokens}
+    if cost > budget:
         return CheckVerdict(
             "replay",
             False,
             (
-                f"{near} near-tie tokens in the batch differ from the seeds' replayed "
-                f"choices (budget {budget:.1f} for {tokens} tokens)",
+                f"{near} near-tie tokens in the batch differ from the seeds' replayed choices: cost {cost:.2f} over "
+                f"the budget {budget:.2f} for {tokens} tokens",
             ),
             numbers,
         )

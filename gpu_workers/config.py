@@ -126,6 +126,12 @@ class ValidatorConfig(Section):
     """TOPLOC: largest mean mantissa error over a chunk's matching exponents."""
     max_mantissa_err_median: float = Field(8.0, ge=0)
     """TOPLOC: largest median mantissa error over a chunk's matching exponents."""
+    replay_logit_tolerance: float | None = Field(None, gt=0)
+    """Replay: largest raw-logit difference between a worker's engine and this prefill (None: per dtype)."""
+    near_ties_per_token: float = Field(0.05, ge=0)
+    """Replay: near-tie cost a sample may spend per completion token, plus 1 (a near tie costs 0.25-1)."""
+    near_ties_per_batch_token: float = Field(0.02, ge=0)
+    """Replay: near-tie cost a batch may spend per completion token, plus 1."""
     weights_dir: Path | None = None
     """Where fetched policy versions land (None: <run.dir>/validator-<key prefix>/weights)."""
     cache_versions: int = Field(2, gt=0)

@@ -104,6 +104,11 @@ class Validator:
             thresholds=Thresholds(
                 config.max_exp_mismatches, config.max_mantissa_err_mean, config.max_mantissa_err_median
             ),
+            tolerance=checks.SamplingTolerance(
+                replay_logit_tolerance=config.replay_logit_tolerance,
+                near_ties_per_token=config.near_ties_per_token,
+                near_ties_per_batch_token=config.near_ties_per_batch_token,
+            ),
         )
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.tasks = tasks

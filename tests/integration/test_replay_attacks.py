@@ -132,6 +132,12 @@ def test_honest_cross_engine_batches_are_never_rejected(policies, prompts):
                                 temperature,
                                 top_p,
                                 sum(r["near_ties"] for r in replay),
+                                round(
+                                    sum(r["near_tie_cost"] for r in replay)
+                                    / verdict.batch_checks[-1].numbers["near_tie_budget"],
+                                    3,
+                                ),
+                                round(max(r["near_tie_cost"] / r["near_tie_budget"] for r in replay), 3),
                                 round(max(gaps), 4),
                                 verdict.summary()["worst"]["logprob_diff_max"],
                             )
@@ -140,7 +146,10 @@ def test_honest_cross_engine_batches_are_never_rejected(policies, prompts):
                         total += len(out)
             finally:
                 engine.close()
-    print("\nREPORT honest (dtype, policy, T, top_p, near ties, largest gap in logit units, max logprob diff):")
+    print(
+        "\nREPORT honest (dtype, policy, T, top_p, near ties, near-tie cost / budget in the batch and the worst "
+        "sample, largest gap in logit units, max logprob diff):"
+    )
     for row in report:
         print("REPORT   ", row)
     assert total >= 400

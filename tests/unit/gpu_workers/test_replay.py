@@ -113,8 +113,12 @@ def test_near_ties_pass_within_budget_and_fail_beyond_it():
     gaps = ranked.values[:, 0] - ranked.values[:, 1]
     close = torch.nonzero(gaps < 0.5).flatten()
     assert len(close) >= 5
-    tolerance = SamplingTolerance(
-        replay_logit_tolerance=0.25, near_ties_per_sample=2, near_ties_per_token=0.0, near_ties_per_batch_token=0.0
+    tolerance = SamplingTolerance(  # a floor of 1: every near tie costs 1, whatever its gap
+        replay_logit_tolerance=0.25,
+        near_tie_floor=1.0,
+        near_ties_per_sample=2,
+        near_ties_per_token=0.0,
+        near_ties_per_batch_token=0.0,
     )
     runner_up = best.clone()
     runner_up[close[:2]] = ranked.indices[close[:2], 1]
@@ -125,6 +129,49 @@ def test_near_ties_pass_within_budget_and_fail_beyond_it():
     assert not five.passed and five.numbers["near_ties"] == 5 and five.numbers["off_seed_tokens"] == 0
     assert not check_near_tie_budget([two, two], tolerance).passed  # 4 > 2 in the batch
     assert check_near_tie_budget([two], tolerance).passed
+
+
+def _runner_up_batch(flip, samples: int = 16, n: int = 32, vocab: int = 4):
+    """Replay inputs of `samples` completions on flat logits, each the seed's choice except at the positions
+    `flip(gap)` picks (gap: the best noisy score minus the runner-up's), where the runner-up is taken."""
+    logits = torch.zeros(n, vocab)
+    batch = []
+    for seed in range(samples):
+        ranked = (logits + gumbel_noise([seed] * n, list(range(n)), vocab)).sort(-1, descending=True)
+        tokens = ranked.indices[:, 0].clone()
+        where = flip(ranked.values[:, 0] - ranked.values[:, 1])
+        tokens[where] = ranked.indices[where, 1]
+        batch.append((tokens, logits, seed))
+    return batch
+
+
+def _judged(batch, tolerance):
+    samples = check_replay_batch(batch, 1.0, 1.0, tolerance)
+    return samples, check_near_tie_budget(samples, tolerance)
+
+
+def test_rounding_near_ties_pass_where_a_count_budget_rejected_them():
+    """An honest bfloat16 worker at the Qwen2.5-0.5B shape had near ties at 3.7-4.7% of its tokens, past the
+    former budget of 3 + 4% of a batch's tokens, all within 0.21 of the margin: such a batch passes."""
+    tolerance = SamplingTolerance(replay_logit_tolerance=1.0)  # margin 2 at T 1
+    batch = _runner_up_batch(lambda gap: torch.nonzero(gap < 0.2).flatten()[:2])  # within 0.1 of the margin
+    samples, whole = _judged(batch, tolerance)
+    near, tokens = whole.numbers["near_ties"], whole.numbers["tokens"]
+    assert near > 3 + 0.04 * tokens, f"only {near} near ties in {tokens} tokens: the case needs more"
+    assert all(s.passed for s in samples) and whole.passed, (whole.reasons, [s.reasons for s in samples])
+    assert whole.numbers["near_tie_cost"] <= 0.25 * near + 0.75 * 0.1 * near + 1e-6
+
+
+def test_near_ties_chosen_across_the_margin_are_rejected_within_the_former_count_budget():
+    """A cheater that takes a runner-up wherever it lies inside the margin, at fewer near ties than the former
+    budget (3 + 4% of the batch's tokens) allowed, is rejected by what its choices cost."""
+    tolerance = SamplingTolerance(replay_logit_tolerance=1.0)  # margin 2 at T 1
+    batch = _runner_up_batch(lambda gap: torch.nonzero((gap > 1.4) & (gap <= 2.0)).flatten()[:1])
+    samples, whole = _judged(batch, tolerance)
+    near, tokens = whole.numbers["near_ties"], whole.numbers["tokens"]
+    assert 0.03 * tokens < near <= 3 + 0.04 * tokens, f"{near} near ties in {tokens} tokens: not the case meant"
+    assert all(s.numbers["off_seed_tokens"] == 0 for s in samples)  # every choice is inside the margin
+    assert not whole.passed and "near-tie tokens in the batch" in whole.reasons[0]
 
 
 def test_top_p_boundary_token_of_the_worker_is_passed_over():

@@ -167,6 +167,10 @@ def test_every_field_reaches_the_component_that_uses_it(tmp_path, tiny_model):
     worker, validator, model = (components[n][0] for n in ("Worker", "Validator", "model"))
     assert worker.max_tokens == validator.declared.max_tokens == cfg.worker.max_tokens
     assert validator.declared.thresholds.max_exp_mismatches == cfg.validator.max_exp_mismatches
+    tolerance = validator.declared.tolerance
+    assert tolerance.replay_logit_tolerance == cfg.validator.replay_logit_tolerance is not None
+    assert tolerance.near_ties_per_token == cfg.validator.near_ties_per_token
+    assert tolerance.near_ties_per_batch_token == cfg.validator.near_ties_per_batch_token
     assert validator.declared.max_model_len == cfg.data.max_prompt_len + cfg.worker.max_tokens
     assert worker.weights_dir == cfg.worker.weights_dir and validator.weights_dir == cfg.validator.weights_dir
     import jax
