@@ -371,28 +371,10 @@ def bench_config(name: str, dtype: str, args, workdir: Path, progress: Progress)
     def validate(k: int, completions, declared: Declared = declared) -> tuple[object, float]:
         _, seeds, tasks = batch(k)
         if len(completions) < n:  # the warm-up's partial batch: no assignment to hold it to
-            samples = [
-                Sample(
-                    prompt_tokens=c.prompt_tokens,
-                    completion_tokens=c.tokens,
-                    logprobs=c.logprobs,
-                    finish=c.finish,
-                    proofs=b"".join(c.proofs),
-                )
-                for c in completions
-            ]
+            samples = [Sample.of(c) for c in completions]
             return validate_batch(samples, prefill, declared), 0.0
         samples = [
-            Sample(
-                prompt_tokens=c.prompt_tokens,
-                completion_tokens=c.tokens,
-                logprobs=c.logprobs,
-                finish=c.finish,
-                proofs=b"".join(c.proofs),
-                seed=s,
-                task_id=t,
-                group_id=i // args.samples,
-            )
+            Sample.of(c, seed=s, task_id=t, group_id=i // args.samples)
             for i, (c, s, t) in enumerate(zip(completions, seeds, tasks))
         ]
         assignment = AssignedWork(

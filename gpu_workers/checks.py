@@ -170,6 +170,19 @@ class Sample:
     reward: float = 0.0
     target_len: int = 0
 
+    @classmethod
+    def of(cls, completion: Any, **fields: Any) -> Sample:
+        """The sample of an engine's `Completion` (`gpu_workers.capture`): its prompt, tokens, logprobs, finish and
+        proofs (concatenated); `fields` gives the rest (seed, task_id, group_id, reward, target_len)."""
+        return cls(
+            prompt_tokens=completion.prompt_tokens,
+            completion_tokens=completion.tokens,
+            logprobs=completion.logprobs,
+            finish=completion.finish,
+            proofs=b"".join(completion.proofs),
+            **fields,
+        )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_tokens", np.asarray(self.prompt_tokens, dtype=np.int64))
         object.__setattr__(self, "completion_tokens", np.asarray(self.completion_tokens, dtype=np.int64))

@@ -136,16 +136,7 @@ def test_report_float32_generation_declared_as_bf16(llm, model):
     prompts = _prompts(3, rng.integers(5, 40, 32).tolist())
     with ProofCapture(llm) as capture:
         completions = capture.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=33))
-    samples = [
-        Sample(
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.tokens,
-            logprobs=c.logprobs,
-            finish=c.finish,
-            proofs=b"".join(c.proofs),
-        )
-        for c in completions
-    ]
+    samples = [Sample.of(c) for c in completions]
     declared = Declared(temperature=0.7, top_p=0.9, max_tokens=33, stop_token_ids=stop_token_ids(model), sampler="vllm")
     verdict = validate_batch(samples, Prefill(model, dtype="bfloat16"), declared)
     print(f"\nREPORT float32 generation declared as bf16: {verdict.summary()}")

@@ -33,17 +33,7 @@ def test_an_honest_bfloat16_batch_passes_within_half_of_its_bounds(tiny_model):
         out = engine.generate(prompts, list(range(16)), temperature=1.0, max_tokens=32)
     finally:
         engine.close()
-    samples = [
-        Sample(
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.tokens,
-            logprobs=c.logprobs,
-            finish=c.finish,
-            proofs=b"".join(c.proofs),
-            seed=i,
-        )
-        for i, c in enumerate(out)
-    ]
+    samples = [Sample.of(c, seed=i) for i, c in enumerate(out)]
     declared = Declared(
         temperature=1.0,
         top_p=1.0,

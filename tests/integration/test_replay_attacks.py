@@ -72,17 +72,7 @@ def prompts(policies):
 
 
 def _samples(completions, seeds) -> list[Sample]:
-    return [
-        Sample(
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.tokens,
-            logprobs=c.logprobs,
-            finish=c.finish,
-            proofs=b"".join(c.proofs),
-            seed=s,
-        )
-        for c, s in zip(completions, seeds)
-    ]
+    return [Sample.of(c, seed=s) for c, s in zip(completions, seeds)]
 
 
 def _engine(model: Path, dtype: str):

@@ -156,16 +156,7 @@ def _generate(
     completions = capture.generate(shown, params)
     samples = []
     for i, c in enumerate(completions):
-        sample = Sample(
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.tokens,
-            logprobs=c.logprobs,
-            finish=c.finish,
-            proofs=b"".join(c.proofs),
-            seed=seeds[i],
-            task_id=task_of[i],
-            group_id=i // GROUP,
-        )
+        sample = Sample.of(c, seed=seeds[i], task_id=task_of[i], group_id=i // GROUP)
         samples.append(dataclasses.replace(sample, reward=reward_fn(sample)))
     return samples, completions
 
