@@ -62,11 +62,15 @@ def _rss(pid: int) -> int:
         return 0
 
 
+TIMELINE_S = 10
+
+
 def run_stage(cmd: list[str], env: dict, log: Path, timeout: float, until=None) -> dict:
-    """Run `cmd` to completion; its wall-clock seconds and peak RSS (GiB) from wait4. With `until` (a callable
-    polled every 50 ms), also the peak of the resident set sampled before `until()` first held."""
+    """Run `cmd` to completion; its wall-clock seconds and peak RSS (GiB) from wait4, and the sampled resident
+    set's peak per `TIMELINE_S` seconds (to see which phase holds the peak). With `until` (a callable polled every
+    50 ms), also the peak of the resident set sampled before `until()` first held."""
     start = time.perf_counter()
-    sampled, before = 0, None
+    sampled, before, timeline = 0, None, []
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
         deadline = start + timeout
@@ -78,7 +82,11 @@ def run_stage(cmd: list[str], env: dict, log: Path, timeout: float, until=None) 
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, status, usage = os.wait4(proc.pid, 0)
                 break
-            sampled = max(sampled, _rss(proc.pid))
+            rss = _rss(proc.pid)
+            sampled = max(sampled, rss)
+            slot = int((time.perf_counter() - start) // TIMELINE_S)
+            timeline += [0] * (slot + 1 - len(timeline))
+            timeline[slot] = max(timeline[slot], rss)
             if until is not None and before is None and until():
                 before = sampled
             time.sleep(0.05)
@@ -88,6 +96,7 @@ def run_stage(cmd: list[str], env: dict, log: Path, timeout: float, until=None) 
         "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2),
         "exit": code,
         "log": str(log),
+        f"rss_gib_per_{TIMELINE_S}s": [round(x / 2**30, 2) for x in timeline],
     }
     if until is not None:
         result["peak_rss_gib_until"] = round(before / 2**30, 2) if before is not None else None
