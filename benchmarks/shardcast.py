@@ -1,6 +1,6 @@
 """SHARDCAST speed on loopback, side by side in one run: ours, the reference, and the raw socket limit.
 
-    python benchmarks/shardcast.py [--mib 512] [--clients 1,4] [--reference /tmp/shardcast_ref] [--repeat 3]
+    python benchmarks/shardcast.py [--mib 512] [--clients 1,4] [--chains 1,2,3] [--reference DIR] [--repeat 3]
 
 A version of `--mib` MiB (an HF-like directory: config.json plus one safetensors shard, as `export_params`
 writes a model of that size) goes origin -> 2 relays -> N clients, for every N in `--clients`:
@@ -8,8 +8,11 @@ writes a model of that size) goes origin -> 2 relays -> N clients, for every N i
 - ours: `intellect shardcast origin`, two `relay`s on the origin, N `fetch` processes on both relays, all
   started first; the clock starts when the version is published (its directory renamed into the weights
   directory and STABLE written, as the learner does) and stops when the last client process has exited with
-  the version verified and landed. Run twice: with the defaults (every hop fsyncs before STABLE: "ours"),
-  and without fsync, as the reference runs ("ours_no_fsync");
+  the version verified and landed. Run three times: with the defaults ("ours": the manifest has part hashes,
+  as the learner writes it, so relays pass each checked part on while the rest arrives, and every hop fsyncs
+  before STABLE), with a manifest without part hashes ("ours_store_and_forward": each relay stores and
+  verifies the whole version before serving it, as before part hashes), and pipelined without fsync, as the
+  reference runs ("ours_no_fsync");
 - the reference (PyPI `shardcast` 0.3.2, installed with `pip install --no-deps --target DIR`; it needs
   `wget` and `blake3`): an `OriginServer`, two `MiddleNode`s and N `ClientNode`s in their own processes
   (each with its own copy of the package); the clock starts when `broadcast()` is called on the same file
@@ -17,6 +20,13 @@ writes a model of that size) goes origin -> 2 relays -> N clients, for every N i
   check every 0.1 s (the default is 30 s) and clients ask every 0.1 s;
 - raw: one plain TCP stream of the same bytes on loopback (sendfile from a second process, received into a
   buffer and dropped), the physical limit of a single client's transfer here.
+
+Chains (`--chains`, depths D): origin -> relay 1 -> ... -> relay D -> 1 client, each relay mirroring the one
+before it, pipelined ("ours") and store-and-forward ("ours_store_and_forward"), timed the same way. On one
+machine every hop shares its CPUs, which the chain then saturates; `--pace-mb-s R` has every server send each
+response at most at R MB/s (a stand-in for hops on machines of their own, each bounded by its link). The report's
+`pipelined_vs_store_and_forward` puts the two modes' medians side by side for every topology, and
+`chain_depth_over_depth_1` divides each depth's median by depth 1's, per mode.
 
 Per-client MB/s is each client's own transfer (from its first request to the version landed, for the
 reference from seeing the version to the verified file). Repeats are interleaved; the summary gives best and
@@ -41,10 +51,33 @@ from pathlib import Path
 
 from _common import free_port
 
+from bridge.shardcast.manifest import PART_SIZE
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MIB = 1 << 20
 
+# `intellect shardcast ...` whose servers send each response at most at PACE bytes/s (argv[1]): a stand-in for
+# hops on separate machines, where each link, not one shared CPU, bounds a hop's speed
+_PACED = r"""
+import asyncio, sys
+from bridge.shardcast.server import ShardcastServer
+from intellect.cli import main
+rate = float(sys.argv.pop(1))
+async def send(self, request, resp, f, offset, count):
+    loop = asyncio.get_running_loop()
+    start, sent = loop.time(), 0
+    while count:
+        n = min(count, 1 << 20)
+        if request.transport is None:
+            raise ConnectionResetError("client went away")
+        await asyncio.wait_for(loop.sendfile(request.transport, f, offset, n), self.timeout)
+        offset, count, sent = offset + n, count - n, sent + n
+        if (ahead := start + sent / rate - loop.time()) > 0:
+            await asyncio.sleep(ahead)
+ShardcastServer._send = send
+sys.exit(main(sys.argv[1:]))
+"""
 _REF_ORIGIN = r"""
 import json, sys, time, os
 from shardcast.origin_server import OriginServer
@@ -170,33 +203,71 @@ def raw_loopback(payload: Path, procs: Procs, work: Path) -> float:
 # ---- ours ---------------------------------------------------------------------------------------------
 
 
-def stage_version(payload: Path, staging: Path) -> None:
-    """An HF-like version 1 in `staging` (hard link to the payload: the same bytes, no copy)."""
+def part_hashes(path: Path, part_size: int) -> list[str]:
+    out = []
+    with open(path, "rb") as f:
+        while block := f.read(part_size):
+            out.append(hashlib.sha256(block).hexdigest())
+    return out
+
+
+def stage_version(payload: Path, staging: Path, part_size: int | None = PART_SIZE) -> None:
+    """An HF-like version 1 in `staging` (hard link to the payload: the same bytes, no copy); its manifest has
+    part hashes of `part_size` (as the learner writes it), or none (None: as it was written before them)."""
     staging.mkdir(parents=True)
     (staging / "config.json").write_text(json.dumps({"model_type": "qwen2", "torch_dtype": "bfloat16"}) + "\n")
     os.link(payload, staging / "model-00001-of-00001.safetensors")
     files = [{"name": p.name, "size": p.stat().st_size, "sha256": sha256(p)} for p in sorted(staging.iterdir())]
     manifest = {"version": 1, "files": files, "total_size": sum(f["size"] for f in files), "created": "bench"}
+    if part_size is not None:
+        manifest["part_size"] = part_size
+        for f in files:
+            f["parts"] = part_hashes(staging / f["name"], part_size)
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def run_ours(payload: Path, clients: int, work: Path, procs: Procs, settings: dict[str, str]) -> dict:
+def run_ours(
+    payload: Path,
+    clients: int,
+    work: Path,
+    procs: Procs,
+    settings: dict[str, str],
+    parts: bool = True,
+    chain: int | None = None,
+    part_size: int = PART_SIZE,
+    pace: float = 0.0,
+) -> dict:
+    """One run: origin -> 2 relays -> `clients` clients on both, or with `chain` D: origin -> relay 1 -> ... ->
+    relay D -> `clients` clients on relay D. `parts`: the manifest has part hashes (relays pipeline); `pace`:
+    servers send each response at most at this many bytes/s (0: as fast as they can)."""
     weights, staging = work / "weights", work / "staging" / "v000001"
     weights.mkdir()
-    stage_version(payload, staging)
+    stage_version(payload, staging, part_size if parts else None)
     cli = [PY, "-m", "intellect", "shardcast"]
-    env = {**os.environ, "INTELLECT_RUN__LOG_LEVEL": "WARNING", **settings}
-    origin = procs.start([*cli, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO, env=env)
+    servers = [PY, "-c", _PACED, str(pace), "shardcast"] if pace else cli
+    # no orchestrator here to announce the manifest's sha256: the relays mirror what the origin offers
+    env = {
+        **os.environ,
+        "INTELLECT_RUN__LOG_LEVEL": "WARNING",
+        "INTELLECT_SHARDCAST__PIN_MANIFESTS": "false",
+        **settings,
+    }
+    origin = procs.start(
+        [*servers, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO, env=env
+    )
     origin_url = wait_line(origin, "serving").split()[-1]
     relays = []
-    for i in range(2):
+    for i in range(2 if chain is None else chain):
+        upstream = origin_url if chain is None or not relays else relays[-1]
         relay = procs.start(
-            [*cli, "relay", "--upstream", origin_url, "--dir", str(work / f"relay{i}"), "--port", "0"],
+            [*servers, "relay", "--upstream", upstream, "--dir", str(work / f"relay{i}"), "--port", "0"],
             work / f"relay{i}.log",
             cwd=REPO,
             env=env,
         )
         relays.append(wait_line(relay, "serving").split()[-1])
+    if chain is not None:
+        relays = relays[-1:]
     fetchers = [
         procs.start(
             [
@@ -313,12 +384,18 @@ def run_reference(payload: Path, clients: int, work: Path, procs: Procs, ref_dir
     }
 
 
-# Our variants: the defaults (fsync before STABLE at every hop), and without fsync, as the reference runs.
-VARIANTS = {"ours": {}, "ours_no_fsync": {"INTELLECT_SHARDCAST__FSYNC": "false"}}
+# Our variants: (settings, manifest with part hashes). The defaults: pipelined, fsync before STABLE at every
+# hop; store-and-forward (a manifest without part hashes); pipelined without fsync, as the reference runs.
+VARIANTS = {
+    "ours": ({}, True),
+    "ours_store_and_forward": ({}, False),
+    "ours_no_fsync": ({"INTELLECT_SHARDCAST__FSYNC": "false"}, True),
+}
+CHAIN_VARIANTS = ("ours", "ours_store_and_forward")
 
 
 def summarize(entry: dict, raw: float) -> None:
-    """Best and median end-to-end time of each implementation, its slowest client as a fraction of raw."""
+    """Best and median end-to-end time of each contestant, its slowest client as a fraction of raw."""
     for name in [*VARIANTS, "reference"]:
         runs = entry.get(name)
         if isinstance(runs, list) and runs:
@@ -329,13 +406,44 @@ def summarize(entry: dict, raw: float) -> None:
             )
     if "reference_best_s" in entry:  # the reference ran (it is a note instead when it could not be installed)
         for name in VARIANTS:
-            entry[f"{name}_speedup_best_vs_best"] = round(entry["reference_best_s"] / entry[f"{name}_best_s"], 2)
+            if f"{name}_best_s" in entry:
+                entry[f"{name}_speedup_best_vs_best"] = round(entry["reference_best_s"] / entry[f"{name}_best_s"], 2)
+
+
+def compare_modes(report: dict) -> None:
+    """Pipelined against store-and-forward per topology, and each chain depth against depth 1, per mode."""
+    modes = {"pipelined": "ours", "store_and_forward": "ours_store_and_forward"}
+    side = {}
+    for topology, entry in report["topologies"].items():
+        if all(f"{v}_median_s" in entry for v in modes.values()):
+            row = {f"{m}_{k}_s": entry[f"{v}_{k}_s"] for m, v in modes.items() for k in ("best", "median")}
+            row["speedup_median"] = round(entry["ours_store_and_forward_median_s"] / entry["ours_median_s"], 2)
+            side[topology] = row
+    report["pipelined_vs_store_and_forward"] = side
+    chains = {int(t.split()[2].rstrip(":")): e for t, e in report["topologies"].items() if t.startswith("chain depth ")}
+    if 1 in chains:
+        report["chain_depth_over_depth_1"] = {
+            mode: {
+                f"depth_{d}": round(chains[d][f"{v}_median_s"] / chains[1][f"{v}_median_s"], 3)
+                for d in sorted(chains)
+                if d != 1 and f"{v}_median_s" in chains[d]
+            }
+            for mode, v in modes.items()
+            if f"{v}_median_s" in chains[1]
+        }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=512)
-    parser.add_argument("--clients", default="1,4", help="client counts, comma-separated")
+    parser.add_argument("--clients", default="1,4", help="client counts, comma-separated ('' for none)")
+    parser.add_argument("--chains", default="1,2,3", help="relay chain depths, comma-separated ('' for none)")
+    parser.add_argument(
+        "--pace-mb-s",
+        type=float,
+        default=0.0,
+        help="chains only: every server sends each response at most this fast (MB/s), as over separate links",
+    )
     parser.add_argument(
         "--reference",
         type=Path,
@@ -348,7 +456,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.raw_serve:
         return raw_serve(int(args.raw_serve[0]), args.raw_serve[1])
-    counts = [int(c) for c in args.clients.split(",")]
+    counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    depths = [int(d) for d in args.chains.split(",") if d.strip()]
     has_reference = (args.reference / "shardcast").is_dir() and shutil.which("wget") is not None
     root = Path(tempfile.mkdtemp(prefix="shardcast-bench-", dir=args.workdir))
     procs = Procs()
@@ -356,6 +465,8 @@ def main() -> None:
         "mib": args.mib,
         "cpus": os.cpu_count(),
         "repeat": args.repeat,
+        "part_size": PART_SIZE,
+        "chain_pace_mb_s_per_response": args.pace_mb_s or None,
         "raw_loopback_mb_s": [],
         "topologies": {},
     }
@@ -371,10 +482,10 @@ def main() -> None:
                 entry = report["topologies"].setdefault(
                     f"origin->2 relays->{n} clients", {name: [] for name in [*VARIANTS, "reference"]}
                 )
-                for name, settings in VARIANTS.items():
+                for name, (settings, parts) in VARIANTS.items():
                     work = root / f"{name}-{n}-{r}"
                     work.mkdir()
-                    entry[name].append(run_ours(payload, n, work, procs, settings))
+                    entry[name].append(run_ours(payload, n, work, procs, settings, parts))
                     shutil.rmtree(work)
                     os.sync()  # every contestant starts with nothing left for the disk to write
                 if has_reference:
@@ -386,15 +497,30 @@ def main() -> None:
                         entry.setdefault("reference_errors", []).append(str(e)[-500:])
                     shutil.rmtree(work)
                     os.sync()
+            for depth in depths:
+                entry = report["topologies"].setdefault(
+                    f"chain depth {depth}: origin->{depth} relay(s) in a chain->1 client",
+                    {name: [] for name in CHAIN_VARIANTS},
+                )
+                for name in CHAIN_VARIANTS:
+                    settings, parts = VARIANTS[name]
+                    work = root / f"{name}-chain{depth}-{r}"
+                    work.mkdir()
+                    entry[name].append(
+                        run_ours(payload, 1, work, procs, settings, parts, chain=depth, pace=args.pace_mb_s * 1e6)
+                    )
+                    shutil.rmtree(work)
+                    os.sync()
         raw = statistics.median(report["raw_loopback_mb_s"])
         report["raw_loopback_median_mb_s"] = raw
-        for entry in report["topologies"].values():
-            if not has_reference:
+        for topology, entry in report["topologies"].items():
+            if not has_reference and not topology.startswith("chain"):
                 entry["reference"] = (
                     f"not run: PyPI shardcast 0.3.2 not found under {args.reference} or no "
                     "wget; the issue quotes 4.4-7.4 s for 1 client"
                 )
             summarize(entry, raw)
+        compare_modes(report)
     finally:
         procs.kill_all()
         shutil.rmtree(root, ignore_errors=True)

@@ -7,7 +7,8 @@ HF name, and how the HF layout maps to the model's layout); this module moves by
 - `HFCheckpoint(model_dir)` reads a single-file or sharded safetensors checkpoint, each tensor a memory map.
 - `write_version(specs, host_value, out_dir, version=..., source_dir=...)` writes the layout:
   `model-0000k-of-0000n.safetensors` up to `max_shard_bytes` each, `model.safetensors.index.json`, the
-  config and tokenizer files of `source_dir`, `manifest.json` (size and sha256 of every file) and `STABLE`
+  config and tokenizer files of `source_dir`, `manifest.json` (size and sha256 of every file, and the sha256
+  of each `part_size` slice of it, which SHARDCAST relays and clients check part by part) and `STABLE`
   last. Files are written into a hidden temporary directory that is renamed into place, so a reader never
   sees a half-written version; hashing overlaps with the conversion of the next tensor.
 - `verify_manifest(model_dir)` checks every file against the manifest.
@@ -225,6 +226,7 @@ def write_version(
     max_shard_bytes: int = 2 << 30,
     fsync: bool = True,
     delta_bases: Sequence[tuple[int, Path]] | None = None,
+    part_size: int | None = None,
 ) -> ExportResult | None:
     """Write the tensors of `specs` as a complete HF directory at `out_dir` (see the module docstring); None
     where not `writer`.
@@ -236,7 +238,11 @@ def write_version(
     `delta_bases`: (version, complete directory) of older versions to write SHARDCAST delta files against
     (`bridge.shardcast.delta`), listed in the manifest's `deltas`; None: when `out_dir` is named for its version
     (`v000123`), the previous version and the newest anchor beside it (`bridge.shardcast.delta.delta_bases`).
+    `part_size`: the slice size of the manifest's part hashes (None: `bridge.shardcast.manifest.PART_SIZE`).
     """
+    from bridge.shardcast.manifest import PART_SIZE, PartHasher, hash_file_parts
+
+    part_size = PART_SIZE if part_size is None else int(part_size)
     out_dir = Path(out_dir)
     np_dtype = resolve_dtype(dtype)
     dtype_name = next(k for k, v in DTYPES.items() if v == np_dtype)
@@ -250,21 +256,31 @@ def write_version(
         tmp.mkdir()
     files, weight_map, total = [], {}, 0
     try:
-        # two helper threads, one writing and one hashing the same buffers, while this thread prepares the
-        # next tensor; at most two tensors are in flight
-        with cf.ThreadPoolExecutor(1) as write_pool, cf.ThreadPoolExecutor(1) as hash_pool:
+        # three helper threads, one writing, one hashing the file and one hashing its parts, on the same
+        # buffers, while this thread prepares the next tensor; at most two tensors are in flight
+        with (
+            cf.ThreadPoolExecutor(1) as write_pool,
+            cf.ThreadPoolExecutor(1) as hash_pool,
+            cf.ThreadPoolExecutor(1) as part_pool,
+        ):
             for name, shard in zip(names, shards):
                 planned = [PlannedTensor(s.hf_name, np_dtype, s.hf_shape) for s in shard]
                 f = open(tmp / name, "wb") if writer else None
                 h = hashlib.sha256()
-                pending: list[tuple[cf.Future, cf.Future]] = []
+                ph = PartHasher(part_size, whole=False)
+                pending: list[tuple[cf.Future, ...]] = []
 
-                def submit(buf: np.ndarray) -> None:  # called within this iteration only: its f, h and pending
+                def submit(buf: np.ndarray) -> None:  # called within this iteration only: its f, h, ph, pending
                     while len(pending) >= 2:  # noqa: B023
                         for fut in pending.pop(0):  # noqa: B023
                             fut.result()
                     mv = _raw_bytes(buf)
-                    pending.append((write_pool.submit(f.write, mv), hash_pool.submit(h.update, mv)))  # noqa: B023
+                    futures = (
+                        write_pool.submit(f.write, mv),  # noqa: B023
+                        hash_pool.submit(h.update, mv),  # noqa: B023
+                        part_pool.submit(ph.update, mv),  # noqa: B023
+                    )
+                    pending.append(futures)  # noqa: B023
 
                 if writer:
                     submit(np.frombuffer(encode_header(planned, {"format": "pt"}), np.uint8))
@@ -282,7 +298,7 @@ def write_version(
                     if fsync:
                         f.flush()
                         os.fsync(f.fileno())
-                    files.append({"name": name, "size": f.tell(), "sha256": h.hexdigest()})
+                    files.append({"name": name, "size": f.tell(), "sha256": h.hexdigest(), "parts": ph.part_digests()})
                     f.close()
         if not writer:
             return None
@@ -292,9 +308,11 @@ def write_version(
         shard_names = set(names)
         for p in sorted(tmp.iterdir()):
             if p.name not in shard_names:
-                files.append({"name": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)})
+                digest, parts = hash_file_parts(p, part_size)
+                files.append({"name": p.name, "size": p.stat().st_size, "sha256": digest, "parts": parts})
         manifest = {
             "version": int(version),
+            "part_size": part_size,
             "files": sorted(files, key=lambda e: e["name"]),
             "total_size": sum(e["size"] for e in files),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -11,6 +11,12 @@ checks it against `manifest_sha256` when the caller knows it from a trusted sour
 client keeps its `ServerPool` between fetches, so what it learned about the servers' speed carries over, and
 its direct I/O buffers (`direct_io`, see `bridge.shardcast.direct`), allocated once when it is made.
 
+Pipelining (`pipelined`, the default): a relay that is still receiving a version whose manifest has part
+hashes lists it under `partial` in `/versions` (old clients read only `versions`); this client counts such a
+relay as a holder, takes the manifest and each part from it with the `X-Shardcast-Partial` header (the relay
+holds the request until that part is checked, or answers 503), checks every part's sha256 as it lands and
+every file's sha256 at the end, so a version can reach a worker moments after it reaches the first relay.
+
 Trust: every file is checked against the manifest, so no server can slip in bytes the manifest does not
 vouch for; the manifest itself is believed from the first server that offers it unless `manifest_sha256`
 pins it (relays pass on the exact manifest bytes, so one sha256 identifies a version on every server). With
@@ -33,7 +39,7 @@ from pathlib import Path
 
 from bridge.shardcast.direct import ALIGN, HAVE_DIRECT, BufferPool
 from bridge.shardcast.disk import held_version
-from bridge.shardcast.download import Download, FetchResult
+from bridge.shardcast.download import PARTIAL_HEADER, Download, FetchListener, FetchResult
 from bridge.shardcast.errors import FetchError, ShardcastError, TransferError, WaitTimeout
 from bridge.shardcast.manifest import DEFAULT_MAX_VERSION_BYTES, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from bridge.shardcast.names import (
@@ -52,6 +58,7 @@ log = logging.getLogger("shardcast.client")
 MAX_LISTING_BYTES = 1 << 20
 MAX_POLL_S = 30.0
 LATE_S = 1.0
+MAX_PARTIAL_WAIT_S = 5.0  # how long a relay may hold a request for a part it is still receiving
 
 
 def parse_listing(doc: object, server: ServerURL) -> list[int]:
@@ -65,6 +72,17 @@ def parse_listing(doc: object, server: ServerURL) -> list[int]:
     if doc.get("latest") != (versions[-1] if versions else None):
         raise TransferError(server, f"/versions: 'latest' {doc.get('latest')!r} is not the newest of the versions")
     return versions
+
+
+def parse_partial(doc: dict, server: ServerURL) -> list[int]:
+    """The `partial` versions of a `/versions` answer (still arriving at the server), validated; [] without."""
+    items = doc.get("partial", [])
+    if not isinstance(items, list) or len(items) > 100_000:
+        raise TransferError(server, "/versions: 'partial' must be a list of versions")
+    try:
+        return sorted(check_version(v, f"{server}/versions 'partial'") for v in items)
+    except ShardcastError as e:
+        raise TransferError(server, str(e)) from None
 
 
 class ShardcastClient:
@@ -84,6 +102,8 @@ class ShardcastClient:
         buffer_bytes: int = 32 << 20,
         use_deltas: bool = True,
         mirror_deltas: bool = False,
+        pipelined: bool = True,
+        background_whole_check: bool = False,
     ):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
@@ -91,11 +111,16 @@ class ShardcastClient:
         cores only contend); `direct_io`: land files with O_DIRECT from 2 * parallel + 2 buffers of
         `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it;
         `use_deltas`: rebuild files from versions held in the output directory where the manifest lists deltas
-        (`bridge.shardcast.delta`); `mirror_deltas`: land the delta files too (relays, which serve them)."""
-        self.use_deltas, self.mirror_deltas = use_deltas, mirror_deltas
+        (`bridge.shardcast.delta`); `mirror_deltas`: land the delta files too (relays, which serve them);
+        `pipelined`: also fetch versions with part hashes from servers still receiving them (see above);
+        `background_whole_check`: the whole-file check of files with part hashes yields the CPU to the transfer
+        (relays, which serve checked parts meanwhile; see `bridge.shardcast.verify`)."""
+        self.background_whole_check = background_whole_check
+        self.use_deltas, self.mirror_deltas, self.pipelined = use_deltas, mirror_deltas, pipelined
         self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
         self.parallel = parallel or min(4, os.cpu_count() or 1)
         self.timeout, self.patience, self.part_bytes = timeout, patience, part_bytes
+        self.partial_wait = min(timeout / 2, MAX_PARTIAL_WAIT_S)
         self.max_version_bytes, self.fsync, self.use_splice = max_version_bytes, fsync, use_splice
         self.pool = pool or ServerPool(self.servers)
         if direct_io and buffer_bytes % ALIGN:
@@ -110,19 +135,33 @@ class ShardcastClient:
 
     # ---- what the servers hold ------------------------------------------------------------------------
 
-    def _listing(self, server: ServerURL, after: int | None = None, wait: float = 0.0, on_open=None) -> list[int]:
+    def _listing(
+        self, server: ServerURL, after: int | None = None, wait: float = 0.0, on_open=None
+    ) -> tuple[list[int], list[int]]:
+        """(complete versions, versions still arriving: [] unless `pipelined`) of one server; a long-poll with
+        `wait` returns once either has one newer than `after` (servers that pipeline nothing ignore `partial`)."""
         path = "/versions"
         if wait > 0:
             path += f"?wait={wait:.3f}" + (f"&after={after}" if after is not None else "")
+            path += "&partial=1" if self.pipelined else ""
         doc = get_json(server, path, timeout=self.timeout, limit=MAX_LISTING_BYTES, wait=wait, on_open=on_open)
-        return parse_listing(doc, server)
+        versions = parse_listing(doc, server)
+        return versions, parse_partial(doc, server) if self.pipelined else []
 
     def versions(self, servers: Iterable[ServerURL] | None = None) -> dict[ServerURL, list[int]]:
-        """Versions held by the servers that answer, asked in parallel; the others land in `last_errors`.
+        """Complete versions held by the servers that answer (see `_ask`)."""
+        return {s: complete for s, (complete, _) in self._ask(servers).items()}
+
+    def offers(self, servers: Iterable[ServerURL] | None = None) -> dict[ServerURL, list[int]]:
+        """Versions each server that answers can serve: complete ones, and (`pipelined`) those still arriving."""
+        return {s: sorted(set(complete) | set(partial)) for s, (complete, partial) in self._ask(servers).items()}
+
+    def _ask(self, servers: Iterable[ServerURL] | None = None) -> dict[ServerURL, tuple[list[int], list[int]]]:
+        """Listings of the servers that answer, asked in parallel; the others land in `last_errors`.
         Once one server has answered, the slower ones get `LATE_S` more seconds, so one hung server does not
         hold up every fetch for a whole time-out."""
         servers = list(servers or self.servers)
-        found: dict[ServerURL, list[int]] = {}
+        found: dict[ServerURL, tuple[list[int], list[int]]] = {}
         pool = cf.ThreadPoolExecutor(len(servers))
         futures = {pool.submit(self._listing, s): s for s in servers}
         deadline = time.monotonic() + self.timeout + 1.0
@@ -150,7 +189,8 @@ class ShardcastClient:
 
     def wait_for_version(self, after: int | None = None, timeout: float = 600.0) -> int:
         """The newest version a server offers that is newer than `after` (any version when None), waiting up to
-        `timeout` seconds; every server is long-polled at once and the first to have one answers."""
+        `timeout` seconds; every server is long-polled at once and the first to have one answers. With
+        `pipelined`, a version a server is still receiving counts (`fetch` takes it part by part)."""
         deadline = time.monotonic() + timeout
         found: queue.Queue[int] = queue.Queue()
         stop = threading.Event()
@@ -167,11 +207,12 @@ class ShardcastClient:
             backoff = 0.1
             while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
                 try:
-                    versions = self._listing(server, after, min(left, MAX_POLL_S), on_open=register)
+                    complete, partial = self._listing(server, after, min(left, MAX_POLL_S), on_open=register)
                     self.last_errors.pop(server, None)
                     backoff = 0.1
-                    if versions and (after is None or versions[-1] > after):
-                        found.put(versions[-1])
+                    newest = max(complete + partial, default=None)
+                    if newest is not None and (after is None or newest > after):
+                        found.put(newest)
                         return
                 except ShardcastError as e:
                     if stop.is_set():
@@ -209,11 +250,13 @@ class ShardcastClient:
         wait: float = 0.0,
         manifest_sha256: str | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        listener: FetchListener | None = None,
     ) -> FetchResult:
         """Fetch `version` ("latest" or an int) into `out_root/v{version:06d}/` and return what happened.
 
         `wait`: seconds to wait for the version to be offered (0: fail at once if no server has it).
-        A version already complete in `out_root` is returned without a transfer."""
+        A version already complete in `out_root` is returned without a transfer. `listener`: told of every
+        part and file checked as the download goes (a relay serves them before the version is complete)."""
         out_root = Path(out_root)
         if version != "latest":
             version = check_version(version, "version")
@@ -241,7 +284,7 @@ class ShardcastClient:
             root=out_root,
             pool=self.pool,
             candidates=set(sources),
-            refresh=lambda: {s for s, vs in self.versions().items() if version in vs} - impostors,
+            refresh=lambda: {s for s, vs in self.offers().items() if version in vs} - impostors,
             timeout=self.timeout,
             patience=self.patience,
             parallel=self.parallel,
@@ -253,6 +296,9 @@ class ShardcastClient:
             replace_held=manifest_sha256 is not None,
             use_deltas=self.use_deltas,
             mirror_deltas=self.mirror_deltas,
+            listener=listener,
+            partial_wait=self.partial_wait if self.pipelined else None,
+            background_whole_check=self.background_whole_check,
         )
         result = download.run()
         if not result.already_present:
@@ -271,7 +317,7 @@ class ShardcastClient:
         """The servers that offer `version` (resolving "latest"), waiting up to `wait` seconds for one."""
         deadline = time.monotonic() + wait
         while True:
-            listings = self.versions()
+            listings = self.offers()
             if version == "latest":
                 target = max((vs[-1] for vs in listings.values() if vs), default=None)
             else:
@@ -311,7 +357,8 @@ class ShardcastClient:
             remaining.remove(server)
             path = f"/v/{version}/{MANIFEST_FILE}"
             try:
-                raw = get_bytes(server, path, timeout=self.timeout, limit=MAX_MANIFEST_BYTES)
+                headers = {PARTIAL_HEADER: "0"} if self.pipelined else None  # a holder may still be receiving it
+                raw = get_bytes(server, path, timeout=self.timeout, limit=MAX_MANIFEST_BYTES, headers=headers)
                 manifest = parse_manifest(raw, f"{server}{path}", version=version, max_total=self.max_version_bytes)
             except ShardcastError as e:
                 self.pool.record(server, False)

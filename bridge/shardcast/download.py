@@ -15,7 +15,16 @@ Deltas (`bridge.shardcast.delta`): before the parts, every file the manifest has
 held complete in `bases_root`, is rebuilt from that base and the delta (fetched whole from one server at a time
 and checked against its sha256: a server whose delta fails it is distrusted), then checked against the file's
 own sha256; a file that cannot be rebuilt (no base, a corrupt base, no server with a good delta) is fetched in
-full like any other. A relay (`mirror_deltas`) also lands the delta files themselves, to serve them.
+full like any other. A relay (`mirror_deltas`) also lands the delta files themselves (first, so that it can
+serve them early), to serve them.
+
+Part hashes (a manifest with `part_size`): such a file is fetched in exactly the manifest's parts, and each part
+is checked against its own sha256 as soon as its last byte has landed, before it counts: with direct I/O from
+its buffer before it is written, otherwise from the page cache. A part that fails is fetched again (a server
+whose bytes alone failed it is distrusted), so a lying server costs one part, not a file. The file's hasher
+follows the checked parts only and still checks the whole file's sha256. A `FetchListener` hears of every
+checked part and file (a relay serves them while the rest arrives: `bridge.shardcast.relay`), and
+`partial_wait` asks servers for parts of versions they are still receiving, waiting up to that many seconds.
 
 `Download` schedules the parts (this module) and takes its other concerns from mixins, one module each:
 `journal` (files and parts restored from an interrupted fetch, the progress journal), `rebuild` (deltas),
@@ -27,7 +36,9 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import hashlib
 import logging
+import mmap
 import os
 import shutil
 import threading
@@ -54,6 +65,24 @@ log = logging.getLogger("shardcast.download")
 
 TICK_S = 0.2
 JOURNAL_EVERY_S = 1.0
+PARTIAL_HEADER = "X-Shardcast-Partial"  # "WAIT": serve checked parts of a version still arriving (server.py)
+
+
+class FetchListener:
+    """What a download has checked so far, as it happens (a relay's server serves it at once). Called from the
+    download's threads; the default does nothing."""
+
+    def started(self, manifest: Manifest, partial: Path) -> None:
+        """The files are in `partial` at their full size; nothing of them is checked yet unless reported."""
+
+    def part_verified(self, name: str, index: int) -> None:
+        """Part `index` of file `name` matches its sha256 in the manifest, and is final on disk."""
+
+    def file_verified(self, name: str) -> None:
+        """The whole file `name` matches its sha256 and is final on disk."""
+
+    def abandoned(self) -> None:
+        """The fetch failed: what it reported may be rewritten by a later attempt."""
 
 
 @dataclass
@@ -112,14 +141,26 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         use_deltas: bool = True,
         mirror_deltas: bool = False,
         bases_root: Path | None = None,
+        listener: FetchListener | None = None,
+        partial_wait: float | None = None,
+        background_whole_check: bool = False,
     ):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
         fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
         `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
-        has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them)."""
+        has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them). `listener`: told of
+        every checked part and file; `partial_wait`: with part hashes, also take parts from servers that are
+        still receiving the version, each waiting up to that many seconds for a part (None: never);
+        `background_whole_check`: check whole files that have part hashes at a lower CPU priority (`verify`)."""
+        self.background_whole_check = background_whole_check
         self.manifest, self.version = manifest, manifest.version
         self.use_deltas = use_deltas and deltas.HAVE_ZSTD
-        self.entries: list[FileEntry] = list(manifest.files) + (list(manifest.deltas) if mirror_deltas else [])
+        self.entries: list[FileEntry] = (list(manifest.deltas) if mirror_deltas else []) + list(manifest.files)
+        self.listener = listener or FetchListener()
+        self._headers = {}
+        if partial_wait is not None and manifest.part_size is not None:
+            self._headers = {PARTIAL_HEADER: f"{partial_wait:.3f}"}
+        self.partial_wait = partial_wait or 0.0
         self.total = sum(e.size for e in self.entries)
         self.bases_root = Path(bases_root if bases_root is not None else root)
         self._rebuilt = 0
@@ -175,10 +216,15 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
             self._direct = self.buffers is not None and self.buffers.claim()
             try:
                 self._prepare()
+                self.listener.started(self.manifest, self.partial)
+                for f in self._files:
+                    if f.verified:
+                        self.listener.file_verified(f.entry.name)
                 self._transfer()
             except BaseException as e:
                 self._fail(e if isinstance(e, ShardcastError) else FetchError(f"interrupted ({e!r})"))
                 self._write_journal()
+                self.listener.abandoned()
                 raise
             finally:
                 self._close_files()
@@ -275,13 +321,17 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     if self._error is not None or not self._queue:
                         return
                     f, part = self._queue.popleft()
-                    if f.direct:
+                    recheck = f.part_hashed and part.done == part.length  # resumed from disk: check it first
+                    if f.direct and not recheck:
                         part.buf = self.buffers.take()
                     if f.fd is None:
                         f.fd = os.open(f.path, os.O_RDWR)
                     if not f.hashing:
                         self._start_hasher(f)
-                self._fetch_part(f, part)
+                if recheck:
+                    self._recheck_part(f, part)
+                else:
+                    self._fetch_part(f, part)
         except ShardcastError as e:
             self._fail(e)
         except Exception as e:  # a local failure (disk, memory): the fetch cannot go on, and says why
@@ -297,62 +347,163 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         tried = _Tried()
         source: ServerURL | None = None
         path = f"/v/{self.version}/{f.entry.name}"
-        while part.done < part.length and self._error is None:
-            server = self._choose(f, tried)
-            if f.single_source and source is not None and server != source and part.done:
-                with self._lock:  # do not mix servers in a file that already failed its sha256 check
-                    part.done = 0
-                    f.generation += 1
-                    f.sources.clear()
-            source = server
-            start, end = part.start + part.done, part.start + part.length - 1
-            before, t0 = part.done, time.monotonic()
-            try:
-                resp = open_get(server, path, timeout=self.timeout, headers={"Range": f"bytes={start}-{end}"})
-                try:
-                    check_status(resp, path, (200, 206), self.timeout)
-                    self._check_range(resp, start, end, f.entry.size)
+        sources: set[ServerURL] = set()  # the servers the part's bytes came from (with part hashes)
+        unknown = part.done > 0  # some bytes came from an earlier run, from servers unknown now
+        single = False  # after a part mismatch with several sources: the part from one server
+        while self._error is None:
+            while part.done < part.length and self._error is None:
+                server = self._choose(f, tried)
+                if f.single_source and source is not None and server != source and part.done:
+                    with self._lock:  # do not mix servers in a file that already failed its sha256 check
+                        part.done = 0
+                        f.generation += 1
+                        f.sources.clear()
+                if single and source is not None and server != source and part.done:
                     with self._lock:
-                        f.sources.add(server)
-                    progress = lambda n: self._advance(f, part, server, n)  # noqa: E731, B023 (used in this iteration)
-                    if part.buf is not None:
-                        with memoryview(part.buf) as view:
-                            receive_into_buffer(
-                                resp, view[part.done : part.length], timeout=self.timeout, progress=progress
+                        part.done = 0
+                    sources.clear()
+                source = server
+                start, end = part.start + part.done, part.start + part.length - 1
+                before, t0 = part.done, time.monotonic()
+                try:
+                    resp = open_get(
+                        server,
+                        path,
+                        timeout=self.timeout,
+                        headers={"Range": f"bytes={start}-{end}", **self._headers},
+                        wait=self.partial_wait,
+                    )
+                    try:
+                        check_status(resp, path, (200, 206), self.timeout)
+                        self._check_range(resp, start, end, f.entry.size)
+                        with self._lock:
+                            f.sources.add(server)
+                        sources.add(server)
+                        progress = lambda n: self._advance(f, part, server, n)  # noqa: E731, B023 (this iteration)
+                        if part.buf is not None:
+                            with memoryview(part.buf) as view:
+                                receive_into_buffer(
+                                    resp, view[part.done : part.length], timeout=self.timeout, progress=progress
+                                )
+                        else:
+                            receive_into_file(
+                                resp,
+                                f.fd,
+                                start,
+                                end - start + 1,
+                                timeout=self.timeout,
+                                progress=progress,
+                                use_splice=self.use_splice,
                             )
-                    else:
-                        receive_into_file(
-                            resp,
-                            f.fd,
-                            start,
-                            end - start + 1,
-                            timeout=self.timeout,
-                            progress=progress,
-                            use_splice=self.use_splice,
-                        )
-                finally:
-                    resp.close()
-                self.pool.record(server, True, part.done - before, time.monotonic() - t0)
-                tried.backoff = 0.1
-            except TransferError as e:
-                self.pool.record(server, False)
-                tried.failed.add(server)
-                with self._lock:
-                    self._errors[server] += 1
-                    repeated = self._last_error.get(server) == str(e)
-                    self._last_error[server] = str(e)
-                    if isinstance(e, NotFound):
-                        self.candidates.discard(server)
-                log.log(
-                    logging.DEBUG if repeated else logging.INFO, "version %d, %s: %s", self.version, f.entry.name, e
-                )
-        if part.buf is not None and part.done == part.length:
+                    finally:
+                        resp.close()
+                    self.pool.record(server, True, part.done - before, time.monotonic() - t0)
+                    tried.backoff = 0.1
+                except TransferError as e:
+                    tried.failed.add(server)
+                    not_yet = e.status == 503  # a server still receiving the version: no fault of its own
+                    if not not_yet:
+                        self.pool.record(server, False)
+                    with self._lock:
+                        if not not_yet:
+                            self._errors[server] += 1
+                        repeated = self._last_error.get(server) == str(e)
+                        self._last_error[server] = str(e)
+                        if isinstance(e, NotFound):
+                            self.candidates.discard(server)
+                    log.log(
+                        logging.DEBUG if repeated or not_yet else logging.INFO,
+                        "version %d, %s: %s",
+                        self.version,
+                        f.entry.name,
+                        e,
+                    )
+            if part.done < part.length:
+                return  # the fetch failed
+            if not f.part_hashed or self._part_matches(f, part):
+                break
+            single = self._part_mismatch(f, part, sources, unknown)
+            sources.clear()
+            unknown = False
+        if part.done < part.length:
+            return
+        if part.buf is not None:
             with memoryview(part.buf) as view:
                 if not write_part(None if f.direct_refused else f.dfd, f.fd, view[: part.length], part.start):
                     f.direct_refused = True  # refused at write time: the rest goes through the page cache
             with self._lock:
                 part.ready = True
                 f.cond.notify_all()
+        if f.part_hashed:
+            self._part_verified(f, part)
+
+    def _part_matches(self, f: _File, part: _Part) -> bool:
+        """Whether the landed bytes of a whole part have its sha256: from its buffer, else from the file."""
+        expected = f.entry.parts[part.start // self.manifest.part_size]
+        if part.buf is not None:
+            with memoryview(part.buf) as view:
+                return hashlib.sha256(view[: part.length]).hexdigest() == expected
+        with mmap.mmap(f.fd, part.length, offset=part.start, prot=mmap.PROT_READ) as mapped:
+            with memoryview(mapped) as view:
+                return hashlib.sha256(view).hexdigest() == expected
+
+    def _part_verified(self, f: _File, part: _Part) -> None:
+        with self._lock:
+            part.verified = part.ready = True
+            f.cond.notify_all()
+            self._queue_cv.notify_all()
+        self.listener.part_verified(f.entry.name, part.start // self.manifest.part_size)
+
+    def _part_mismatch(self, f: _File, part: _Part, sources: set[ServerURL], unknown: bool) -> bool:
+        """A part's bytes failed its sha256: they are thrown away and the part fetched again. Its only source
+        is distrusted; with several, each is marked failed and the part is taken from one server. Returns
+        whether the next attempt must come from one server."""
+        index = part.start // self.manifest.part_size
+        with self._lock:
+            part.done = 0
+            part.mismatches += 1
+            named = ", ".join(sorted(map(str, sources))) or "an earlier run"
+            if part.mismatches > 2 * len(self.pool.servers) + 1:
+                raise FetchError(
+                    f"version {self.version}, {f.entry.name}: part {index} failed its sha256 {part.mismatches} "
+                    f"times (last from {named})"
+                )
+            if len(sources) == 1 and not unknown:
+                (server,) = sources
+                self._distrusted.add(server)
+                self._last_error[server] = f"sent part {index} of {f.entry.name} with a wrong sha256"
+        if len(sources) == 1 and not unknown:
+            self.pool.distrust(server)
+            log.warning(
+                "version %d, %s: part %d fails its sha256; every byte of it came from %s, which is now distrusted",
+                self.version,
+                f.entry.name,
+                index,
+                server,
+            )
+            return False
+        for server in sources:
+            self.pool.record(server, False)
+        log.warning(
+            "version %d, %s: part %d fails its sha256 (bytes from %s); fetching it again from one server",
+            self.version,
+            f.entry.name,
+            index,
+            named,
+        )
+        return True
+
+    def _recheck_part(self, f: _File, part: _Part) -> None:
+        """A whole part resumed from disk: it counts once it matches its sha256, else it is fetched again."""
+        if self._part_matches(f, part):
+            self._part_verified(f, part)
+            return
+        log.info("version %d, %s: a resumed part fails its sha256; fetching it again", self.version, f.entry.name)
+        with self._lock:
+            self._resumed -= part.done
+            part.done = 0
+            self._queue.appendleft((f, part))
+            self._queue_cv.notify_all()
 
     def _check_range(self, resp, start: int, end: int, size: int) -> None:
         length = resp.content_length()

@@ -29,17 +29,27 @@ class Resume:
         for entry in self.entries:
             path = self.partial / entry.name
             saved = journal.get(entry.name) if journal else None
+            if entry.parts:  # a file with part hashes is fetched in exactly those parts
+                hashed = _split(entry.size, self.manifest.part_size)
+                if saved is not None and [p[:2] for p in saved["parts"]] != [[q.start, q.length] for q in hashed]:
+                    saved = None
             if entry.name in rebuilt:
+                size = self.manifest.part_size if entry.parts else part_bytes
                 f = _File(
                     entry,
                     path,
-                    [_Part(p.start, p.length, p.length) for p in _split(entry.size, part_bytes)],
+                    [_Part(p.start, p.length, p.length) for p in _split(entry.size, size)],
                     threading.Condition(self._lock),
                 )
                 f.verified = True
             elif saved is not None and path.is_file() and path.stat().st_size == entry.size:
                 parts = [_Part(*p) for p in saved["parts"]]
-                if self._direct and not saved["verified"]:  # whole parts stay; the rest is fetched anew
+                if entry.parts and not saved["verified"]:
+                    # complete parts are checked against their sha256 again before they count (`_worker`)
+                    for p in parts:
+                        if self._direct and p.done < p.length:
+                            p.done = 0
+                elif self._direct and not saved["verified"]:  # whole parts stay; the rest is fetched anew
                     parts = [
                         q
                         for p in parts
@@ -50,21 +60,29 @@ class Resume:
                 f = _File(entry, path, parts, threading.Condition(self._lock))
                 f.verified = saved["verified"]
             else:
-                f = _File(entry, path, _split(entry.size, part_bytes), threading.Condition(self._lock))
+                size = self.manifest.part_size if entry.parts else part_bytes
+                f = _File(entry, path, _split(entry.size, size), threading.Condition(self._lock))
                 fresh.append(f)
+            if f.verified and f.part_hashed:
+                for p in f.parts:
+                    p.verified = p.ready = True
             if entry.name not in rebuilt:
                 self._resumed += entry.size if f.verified else sum(p.done for p in f.parts)
             self._files.append(f)
             if f.verified:
                 self._landed += 1
             else:
-                self._queue.extend((f, p) for p in f.parts if p.done < p.length)
+                self._queue.extend((f, p) for p in f.parts if p.done < p.length or f.part_hashed)
         disk.check_space(self.partial, sum(f.entry.size for f in fresh), f"version {self.version}")
         for f in fresh:
+            # a new file, not the old one truncated: a relay may still be sending checked parts of the old one
+            f.path.unlink(missing_ok=True)
             disk.allocate(f.path, f.entry.size)
         if self._direct:
             for f in self._files:
-                if not f.verified:
+                # a part is received whole into one buffer, so a part hash's part must fit in one
+                fits = not f.part_hashed or self.manifest.part_size <= self.buffers.size
+                if not f.verified and fits:
                     f.dfd = open_direct(f.path)
                     f.direct = f.dfd is not None
         if self._resumed:

@@ -22,9 +22,13 @@ from pathlib import Path
 from bridge.shardcast.errors import ManifestError, ShardcastError
 from bridge.shardcast.names import MANIFEST_FILE, STABLE_FILE, check_file_name, check_version, version_dirname
 
-MAX_MANIFEST_BYTES = 4 << 20  # ~30k files; an HF export has a few dozen
+MAX_MANIFEST_BYTES = 16 << 20  # ~30k files, or ~200k part hashes (6.5 TiB at the default part size)
 MAX_FILES = 10_000
 DEFAULT_MAX_VERSION_BYTES = 4 << 40  # 4 TiB: twice a 1T-parameter model in bf16
+PART_SIZE = 32 << 20  # the learner's part size: one client direct I/O buffer (`shardcast.buffer_mib`)
+PART_ALIGN = 4096  # part boundaries fall on O_DIRECT and mmap boundaries
+MIN_PART_SIZE = 64 << 10
+MAX_PART_SIZE = 1 << 30
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -33,6 +37,7 @@ class FileEntry:
     name: str
     size: int
     sha256: str
+    parts: tuple[str, ...] = ()  # the sha256 of each `Manifest.part_size` slice; () without part hashes
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class Manifest:
     total_size: int
     raw: bytes  # the exact bytes, as served and stored
     deltas: tuple[DeltaEntry, ...] = ()
+    part_size: int | None = None  # set when every file lists its part hashes (`FileEntry.parts`)
     by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
     served: dict[str, FileEntry] = field(init=False, repr=False, compare=False)  # files and deltas by name
 
@@ -67,6 +73,56 @@ class Manifest:
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.raw).hexdigest()
+
+    def part_range(self, index: int, size: int) -> tuple[int, int]:
+        """(start, length) of part `index` of a file of `size` bytes (the manifest has part hashes)."""
+        start = index * self.part_size
+        return start, min(self.part_size, size - start)
+
+
+def part_count(size: int, part_size: int) -> int:
+    return -(-size // part_size)
+
+
+class PartHasher:
+    """The sha256 of a stream and of each `part_size` slice of it, for a manifest with part hashes."""
+
+    def __init__(self, part_size: int = PART_SIZE, whole: bool = True):
+        """`whole` False: the parts only (a caller hashing the whole stream in another thread)."""
+        self.part_size = part_size
+        self.whole = hashlib.sha256() if whole else None
+        self.parts: list[str] = []
+        self._part = hashlib.sha256()
+        self._in_part = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        if self.whole is not None:
+            self.whole.update(view)
+        while len(view):
+            n = min(len(view), self.part_size - self._in_part)
+            self._part.update(view[:n])
+            self._in_part += n
+            view = view[n:]
+            if self._in_part == self.part_size:
+                self.parts.append(self._part.hexdigest())
+                self._part, self._in_part = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        return self.whole.hexdigest()
+
+    def part_digests(self) -> list[str]:
+        """Every part's sha256, the last (shorter) one included; call once the stream is complete."""
+        return self.parts + ([self._part.hexdigest()] if self._in_part else [])
+
+
+def hash_file_parts(path: Path, part_size: int = PART_SIZE, block: int = 8 << 20) -> tuple[str, list[str]]:
+    """(sha256, part sha256s) of a file."""
+    hasher = PartHasher(part_size)
+    with open(path, "rb") as f:
+        while data := f.read(block):
+            hasher.update(data)
+    return hasher.hexdigest(), hasher.part_digests()
 
 
 def parse_manifest(
@@ -87,6 +143,7 @@ def parse_manifest(
         raise ManifestError(str(e)) from None
     if version is not None and declared != version:
         raise ManifestError(f"{where}: manifest declares version {declared}, expected {version}")
+    part_size = _part_size(doc, where)
     files = doc.get("files")
     if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
         raise ManifestError(f"{where}: field 'files' must be a list of 1..{MAX_FILES} entries")
@@ -110,14 +167,50 @@ def parse_manifest(
         digest = item.get("sha256")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise ManifestError(f"{at}.sha256: {digest!r} is not 64 lower-case hex digits")
+        parts = _parse_parts(item, at, size, part_size)
         total += size
-        entries.append(FileEntry(name, size, digest))
+        entries.append(FileEntry(name, size, digest, parts))
     if total > max_total:
         raise ManifestError(f"{where}: files add up to {total} bytes, over the limit of {max_total}")
     if doc.get("total_size") != total:
         raise ManifestError(f"{where}: field 'total_size' is {doc.get('total_size')!r} but the files add up to {total}")
     deltas = _parse_deltas(doc.get("deltas", []), where, declared, {e.name: e for e in entries}, max_total)
-    return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas))
+    return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas), part_size)
+
+
+def _part_size(doc: dict, where: str) -> int | None:
+    if "part_size" not in doc:
+        return None
+    size = doc["part_size"]
+    if type(size) is not int or not MIN_PART_SIZE <= size <= MAX_PART_SIZE or size % PART_ALIGN:
+        raise ManifestError(
+            f"{where}: field 'part_size' {size!r} is not a multiple of {PART_ALIGN} bytes in "
+            f"{MIN_PART_SIZE}..{MAX_PART_SIZE}"
+        )
+    return size
+
+
+def _parse_parts(item: dict, at: str, size: int, part_size: int | None) -> tuple[str, ...]:
+    """A file entry's `parts`: required with the manifest's `part_size`, refused without it."""
+    parts = item.get("parts")
+    if part_size is None:
+        if parts is not None:
+            raise ManifestError(f"{at}.parts: part hashes without the manifest's 'part_size'")
+        return ()
+    expected = part_count(size, part_size)
+    if not isinstance(parts, list):
+        raise ManifestError(
+            f"{at}.parts: {type(parts).__name__} instead of a list of {expected} part sha256s "
+            f"(the manifest has 'part_size' {part_size})"
+        )
+    if len(parts) != expected:
+        raise ManifestError(
+            f"{at}.parts: {len(parts)} part sha256s, but {size} bytes in parts of {part_size} make {expected}"
+        )
+    for j, digest in enumerate(parts):
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise ManifestError(f"{at}.parts[{j}]: {str(digest)[:80]!r} is not 64 lower-case hex digits")
+    return tuple(parts)
 
 
 def _parse_deltas(
@@ -155,7 +248,17 @@ def _parse_deltas(
         if not isinstance(encoding, str) or not 0 < len(encoding) <= 40:
             raise ManifestError(f"{at}.encoding: {encoding!r} is not an encoding name")
         total += size
-        deltas.append(DeltaEntry(name, size, item["sha256"], target.name, base, item["base_sha256"], encoding))
+        deltas.append(
+            DeltaEntry(
+                name,
+                size,
+                item["sha256"],
+                file=target.name,
+                base=base,
+                base_sha256=item["base_sha256"],
+                encoding=encoding,
+            )
+        )
     if total > max_total:
         raise ManifestError(f"{where}: deltas add up to {total} bytes, over the limit of {max_total}")
     return deltas

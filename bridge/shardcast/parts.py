@@ -15,12 +15,14 @@ HASH_CHUNK = 8 << 20
 
 
 class _Part:
-    __slots__ = ("start", "length", "done", "buf", "ready")
+    __slots__ = ("start", "length", "done", "buf", "ready", "verified", "mismatches")
 
     def __init__(self, start: int, length: int, done: int = 0):
         self.start, self.length, self.done = start, length, done
         self.buf = None  # direct I/O: the pool buffer the part is received into, until it is hashed
         self.ready = False  # direct I/O: every byte is in the file (and in `buf`, if not hashed yet)
+        self.verified = False  # a file with part hashes: the part's bytes match its sha256 in the manifest
+        self.mismatches = 0  # times the part's bytes failed its sha256
 
 
 class _File:
@@ -36,6 +38,9 @@ class _File:
         self.mismatches = 0
         self.verified = False
         self.hashing = False
+        # the manifest's sha256 of each part (`bridge.shardcast.manifest`): every part is then exactly one
+        # of them, checked on its own as it lands, and only checked parts count as landed
+        self.part_hashed = bool(entry.parts)
 
     def close_direct(self) -> None:
         if self.dfd is not None:
@@ -43,16 +48,21 @@ class _File:
             self.dfd = None
 
     def prefix(self) -> int:
-        """Bytes landed contiguously from the start of the file."""
+        """Bytes landed contiguously from the start of the file (with part hashes: in checked parts only)."""
         end = 0
         for part in self.parts:
+            if self.part_hashed:
+                if not part.verified:
+                    return part.start
+                end = part.start + part.length
+                continue
             end = part.start + part.done
             if part.done < part.length:
                 break
         return end
 
     def complete(self) -> bool:
-        return all(p.done == p.length for p in self.parts)
+        return all(p.done == p.length and (p.verified or not self.part_hashed) for p in self.parts)
 
 
 @dataclass

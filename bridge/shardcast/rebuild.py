@@ -111,7 +111,7 @@ class Rebuild:
             tried.add(server)
             t0 = time.monotonic()
             try:
-                resp = open_get(server, url_path, timeout=self.timeout)
+                resp = open_get(server, url_path, timeout=self.timeout, headers=self._headers, wait=self.partial_wait)
                 try:
                     check_status(resp, url_path, (200,), self.timeout)
                     if resp.content_length() != entry.size:

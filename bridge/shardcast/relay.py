@@ -3,8 +3,15 @@
 The mirror runs in a thread with a `ShardcastClient` on the upstreams: it long-polls them for a version
 newer than its newest, fetches the new versions (newest first, at most `keep` of them) with the same
 parallel, verified, resumable download a worker uses, and hands each landed version to the event loop, which
-advertises it. So a relay never offers a version before every file of it has passed its sha256 check, and a
-chain of relays behaves like one. Retention (`keep`, `grace_s`) is the `VersionStore`'s.
+advertises it. So a relay never offers a version as complete before every file of it has passed its sha256
+check, and a chain of relays behaves like one. Retention (`keep`, `grace_s`) is the `VersionStore`'s.
+
+Pipelining: when the manifest has part hashes, the download reports each part (and file) as it passes its
+check (`Announcer`, a `FetchListener`), and the server offers the version under `partial` and serves exactly
+those parts while the rest arrives (`bridge.shardcast.server`). A part that fails its sha256 is fetched again
+from another upstream and was never offered. The relay's own upstream may itself be a relay still receiving the
+version, so every hop of a chain forwards a part moments after it arrived, instead of after the whole version.
+A fetch that fails withdraws the version's parts (they are checked again when the fetch resumes).
 
 Durability stays off the path to the workers: a relay advertises a version as soon as its bytes are verified
 (in the page cache), and flushes it to disk `SYNC_DELAY_S` later in the background (files, directory, then a
@@ -38,6 +45,7 @@ from pathlib import Path
 
 from bridge.shardcast import disk
 from bridge.shardcast.client import ShardcastClient
+from bridge.shardcast.download import FetchListener
 from bridge.shardcast.errors import ManifestError, ShardcastError, WaitTimeout
 from bridge.shardcast.manifest import Manifest, parse_manifest, read_version_dir
 from bridge.shardcast.names import (
@@ -151,6 +159,31 @@ def _leftovers(root: Path, superseded: int | None) -> None:
                 (root / f".{version_dirname(version)}.lock").unlink(missing_ok=True)
 
 
+class Announcer(FetchListener):
+    """Hands what a mirror's download has checked to the server's store, on the event loop."""
+
+    def __init__(self, store: VersionStore, loop: asyncio.AbstractEventLoop, version: int):
+        self.store, self.loop, self.version = store, loop, version
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, self.version, *args)
+        except RuntimeError:  # the loop has closed: the relay is stopping
+            pass
+
+    def started(self, manifest: Manifest, partial: Path) -> None:
+        self._post(self.store.begin_arriving, manifest)
+
+    def part_verified(self, name: str, index: int) -> None:
+        self._post(self.store.part_checked, name, index)
+
+    def file_verified(self, name: str) -> None:
+        self._post(self.store.file_checked, name)
+
+    def abandoned(self) -> None:
+        self._post(self.store.drop_arriving)
+
+
 class Mirror:
     """Keeps `root` in step with the upstreams; `run()` loops until `stop` is set."""
 
@@ -166,8 +199,11 @@ class Mirror:
         sync_delay_s: float = SYNC_DELAY_S,
         pins: Callable[[], AnnouncedPolicy] | None = None,
         pin_wait_s: float = PIN_WAIT_S,
+        listener: Callable[[int], FetchListener] | None = None,
     ):
-        """`pins`: the announced policy (None: mirror what the upstreams offer, trusting their manifests)."""
+        """`pins`: the announced policy (None: mirror what the upstreams offer, trusting their manifests);
+        `listener(version)`: told of every part and file of the version checked as it arrives."""
+        self.listener = listener
         self.client, self.root, self.keep, self.newest = client, root, keep, newest
         self.on_landed, self.stop = on_landed, stop
         self.durable, self.sync_delay_s = durable, sync_delay_s
@@ -184,7 +220,7 @@ class Mirror:
                 self._report(str(e) if self.client.last_errors else None)
                 continue
             self._report(None)
-            offered = {v for vs in self.client.versions().values() for v in vs}
+            offered = {v for vs in self.client.offers().values() for v in vs}
             wanted = sorted(
                 {v for v in offered | {latest} if (self.newest is None or v > self.newest) and v not in self.skipped}
             )[-self.keep :]
@@ -242,12 +278,15 @@ class Mirror:
             self._pins_reported = problem
 
     def _mirror(self, version: int, pin: str | None = None) -> None:
+        listener = self.listener(version) if self.listener is not None else None
         try:
-            result = self.client.fetch(version, self.root, manifest_sha256=pin)
+            result = self.client.fetch(version, self.root, manifest_sha256=pin, listener=listener)
             raw = (result.path / MANIFEST_FILE).read_bytes()
             manifest = parse_manifest(raw, str(result.path / MANIFEST_FILE), version=version)
         except (ShardcastError, OSError) as e:
             log.error("could not mirror %s: %s", version_dirname(version), e)
+            if listener is not None:
+                listener.abandoned()
             self.stop.wait(1.0)
             return
         self.on_landed(version, manifest)
@@ -305,6 +344,7 @@ async def serve_relay(
         fsync=False,
         direct_io=False,
         mirror_deltas=True,
+        background_whole_check=True,
         **client_args,
     )
     if fsync:
@@ -326,6 +366,7 @@ async def serve_relay(
         stop,
         durable=fsync,
         pins=pins,
+        listener=lambda version: Announcer(store, loop, version),
     )
     thread = threading.Thread(target=mirror.run, name="shardcast-mirror", daemon=True)
     thread.start()

@@ -1,9 +1,16 @@
 """The HTTP side of an origin or a relay (docs/design.md section 5), on aiohttp's low-level server.
 
-Routes: `GET /versions[?after=N&wait=S]` (long-poll), `GET /v/{version}/manifest.json`,
+Routes: `GET /versions[?after=N&wait=S[&partial=1]]` (long-poll), `GET /v/{version}/manifest.json`,
 `GET /v/{version}/{file}` (`Range` honoured, bytes sent with `sendfile`), `GET /healthz`; HEAD works where
 GET does. A URL's segments are matched as raw text against validated versions and against the names in the
 version's manifest, so nothing outside a version directory can ever be named.
+
+A version a relay is still receiving (`VersionStore.arriving`: its manifest has part hashes) is listed under
+`partial` in `/versions`, and `partial=1` lets a long-poll return for one. Its manifest and files are served
+only to a request with the header `X-Shardcast-Partial: WAIT` (others get 404, as for a version not held), and
+of its files only bytes in parts the relay has checked against their sha256: a range that reaches into a part
+not checked yet is held until it is (at most WAIT seconds, capped at `MAX_PARTIAL_WAIT`), then answered 503
+with `Retry-After`. Unchecked bytes are never sent.
 
 Bounds against hostile clients (`ServerLimits`; the recipe's `[shardcast]` section sets them):
 - connections: at most `max_connections` in all and `max_per_ip` from one client address (an IPv6 client is
@@ -44,6 +51,8 @@ log = logging.getLogger("shardcast.server")
 
 SEND_CHUNK = 4 << 20
 MAX_WAIT = 60.0
+MAX_PARTIAL_WAIT = 10.0  # the longest a request for a part still arriving is held
+PARTIAL_HEADER = "X-Shardcast-Partial"
 EVICT_AFTER_S = 1.0  # a connection may be displaced once it has done nothing useful for this long
 _JSON = "application/json"
 _RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})", re.ASCII | re.IGNORECASE)
@@ -325,7 +334,7 @@ class ShardcastServer:
             if len(parts) == 3 and parts[0] == "v":
                 version = parse_version(parts[1], "version in the URL")
                 if parts[2] == MANIFEST_FILE:
-                    return self._manifest(version)
+                    return self._manifest(request, version)
                 return await self._file(request, version, check_file_name(parts[2], "file in the URL"))
         except ShardcastError as e:
             return _error(400, str(e))
@@ -349,20 +358,31 @@ class ShardcastServer:
                     f"query 'wait': {query['wait'][:20]!r} is not a number of seconds in 0..{MAX_WAIT:g}"
                 )
         if wait > 0:
-            await self.store.wait_newer(-1 if after is None else after, wait)
+            partial = query.get("partial") == "1"
+            await self.store.wait_newer(-1 if after is None else after, wait, partial=partial)
         return web.json_response(self.store.listing())
 
-    def _manifest(self, version: int) -> web.Response:
+    def _not_served(self, version: int) -> web.Response:
+        arriving = f"; still arriving: {sorted(self.store.arriving)}" if self.store.arriving else ""
+        return _error(404, f"version {version} is not served here (serving {sorted(self.store.advertised)}{arriving})")
+
+    def _manifest(self, request: web.BaseRequest, version: int) -> web.Response:
         manifest = self.store.lookup(version)
         if manifest is None:
-            return _error(404, f"version {version} is not served here (serving {sorted(self.store.advertised)})")
+            arriving = self.store.arriving.get(version)
+            if arriving is None or PARTIAL_HEADER not in request.headers:
+                return self._not_served(version)
+            return web.Response(body=arriving.manifest.raw, content_type=_JSON)
         self.store.touch(version)
         return web.Response(body=manifest.raw, content_type=_JSON)
 
     async def _file(self, request: web.BaseRequest, version: int, name: str) -> web.StreamResponse:
         manifest = self.store.lookup(version)
-        if manifest is None:
-            return _error(404, f"version {version} is not served here (serving {sorted(self.store.advertised)})")
+        partial = manifest is None
+        if partial:
+            if version not in self.store.arriving or PARTIAL_HEADER not in request.headers:
+                return self._not_served(version)
+            manifest = self.store.arriving[version].manifest
         entry = manifest.served.get(name)  # a file of the version or one of its deltas
         if entry is None:
             return _error(404, f"version {version} has no file {name!r}")
@@ -377,9 +397,15 @@ class ShardcastServer:
             start, count, status = 0, size, 200
         else:
             (start, count), status = rng, 206
+        if partial:
+            state = await self._await_checked(request, version, name, start, count)
+            if isinstance(state, web.Response):
+                return state
+            if state == "complete":  # it landed meanwhile: served as any complete version
+                return await self._file(request, version, name)
         with self.store.pinned(version):
             try:
-                f = open(self.store.path(version) / name, "rb")
+                f = self._open(version, name, partial)
             except OSError as e:
                 log.error("version %d, file %s: %s", version, name, e)
                 return _error(404, f"version {version}, file {name!r}: no longer readable here")
@@ -417,6 +443,45 @@ class ShardcastServer:
                     return resp
                 await resp.write_eof()
                 return resp
+
+    def _open(self, version: int, name: str, partial: bool):
+        """The file of a complete version, or of one still arriving (in the relay's partial directory, or in
+        the version directory if it landed a moment ago: the same file, renamed with its directory)."""
+        if not partial:
+            return open(self.store.path(version) / name, "rb")
+        try:
+            return open(self.store.partial_path(version) / name, "rb")
+        except FileNotFoundError:
+            return open(self.store.path(version) / name, "rb")
+
+    async def _await_checked(self, request: web.BaseRequest, version: int, name: str, start: int, count: int):
+        """Hold a request on a version still arriving until its bytes are all in checked parts: None when they
+        are, "complete" when the version landed meanwhile, else the answer to give (404 dropped, 503 not yet)."""
+        text = request.headers.get(PARTIAL_HEADER, "")
+        try:
+            wait = float(text)
+        except ValueError:
+            wait = math.nan
+        if not 0 <= wait <= MAX_WAIT:
+            return _error(400, f"header {PARTIAL_HEADER}: {text[:20]!r} is not a number of seconds in 0..{MAX_WAIT:g}")
+        deadline = asyncio.get_running_loop().time() + min(wait, MAX_PARTIAL_WAIT)
+        while True:
+            if self.store.lookup(version) is not None:
+                return "complete"
+            arriving = self.store.arriving.get(version)
+            if arriving is None:
+                return _error(404, f"version {version} is no longer arriving here (its fetch failed)")
+            if arriving.checked(name, start, count):
+                return None
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return _error(
+                    503,
+                    f"version {version}, file {name!r}: bytes {start}-{start + count - 1} are not all checked "
+                    "here yet; retry",
+                    {"Retry-After": "1"},
+                )
+            await self.store.wait_checked(left)
 
     async def _send(self, request, resp, f, offset: int, count: int) -> None:
         loop = asyncio.get_running_loop()

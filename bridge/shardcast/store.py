@@ -7,8 +7,14 @@ A `VersionStore` lives on the server's event loop (one thread; no locks). Its st
   deleted only once nothing is pinning it (a response being sent) and nobody has touched it for `grace_s`
   seconds, so a client that is between two files of a download does not lose the version under it.
 
+- arriving (relays only, manifests with part hashes): being mirrored into its partial directory; listed by
+  `/versions` under `partial`, never under `versions`; only the parts (and whole files) the mirror has checked
+  against the manifest are served, and only to requests that ask for a partial version (`Arriving`).
+
 The origin rescans its directory (`scan`), because the learner writes new versions into it; a relay adds the
-versions it has mirrored and verified (`add`). Long-polls wait on `wait_newer`.
+versions it has mirrored and verified (`add`), and reports what it has checked of the one arriving
+(`begin_arriving`, `part_checked`, `file_checked`, `drop_arriving`). Long-polls wait on `wait_newer`, requests
+for a part not checked yet on `wait_checked`.
 """
 
 from __future__ import annotations
@@ -23,11 +29,32 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+from bridge.shardcast import disk
 from bridge.shardcast.errors import ManifestError
 from bridge.shardcast.manifest import Manifest, read_version_dir, version_path
 from bridge.shardcast.names import STABLE_FILE, parse_version_dirname, version_dirname
 
 log = logging.getLogger("shardcast.store")
+
+
+class Arriving:
+    """A version a relay is still receiving: its manifest and what of it has been checked so far."""
+
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        self.parts: dict[str, set[int]] = {}  # file name -> indices of the parts that match their sha256
+        self.files: set[str] = set()  # files (or delta files) that match their sha256 whole
+
+    def checked(self, name: str, start: int, count: int) -> bool:
+        """Whether bytes `start`..`start + count - 1` of file `name` lie in checked parts (or a checked file)."""
+        if name in self.files:
+            return True
+        entry = self.manifest.served.get(name)
+        if entry is None or not entry.parts or count <= 0:
+            return False
+        held = self.parts.get(name, ())
+        size = self.manifest.part_size
+        return all(i in held for i in range(start // size, (start + count - 1) // size + 1))
 
 
 class VersionStore:
@@ -42,13 +69,63 @@ class VersionStore:
         self._last_access: dict[int, float] = {}
         self._rejected: dict[int, float] = {}  # version -> mtime of the STABLE we refused (log once)
         self._changed = asyncio.Event()
+        self.arriving: dict[int, Arriving] = {}
+        self._checked = asyncio.Event()  # set (and replaced) whenever something more of an arriving version counts
 
     @property
     def latest(self) -> int | None:
         return max(self.advertised, default=None)
 
     def listing(self) -> dict:
-        return {"latest": self.latest, "versions": sorted(self.advertised)}
+        """`/versions`: `partial` (versions still arriving) only when there is one, so that the answer of a
+        server that pipelines nothing is what it always was."""
+        doc: dict = {"latest": self.latest, "versions": sorted(self.advertised)}
+        if self.arriving:
+            doc["partial"] = sorted(self.arriving)
+        return doc
+
+    def partial_path(self, version: int) -> Path:
+        return disk.partial_dir(self.root, version)
+
+    # ---- a version still arriving (a relay's mirror reports from its thread, through the event loop) ----
+
+    def begin_arriving(self, version: int, manifest: Manifest) -> None:
+        """The mirror started (or restarted) fetching `version`: nothing of it is checked yet."""
+        if version in self.advertised or version in self.retiring or manifest.part_size is None:
+            return
+        self.arriving[version] = Arriving(manifest)
+        log.info("serving %s part by part while it arrives", version_dirname(version))
+        self._notify()
+        self._notify_checked()
+
+    def part_checked(self, version: int, name: str, index: int) -> None:
+        arriving = self.arriving.get(version)
+        if arriving is not None:
+            arriving.parts.setdefault(name, set()).add(index)
+            self._notify_checked()
+
+    def file_checked(self, version: int, name: str) -> None:
+        arriving = self.arriving.get(version)
+        if arriving is not None:
+            arriving.files.add(name)
+            self._notify_checked()
+
+    def drop_arriving(self, version: int) -> None:
+        """The mirror gave up on `version` (it will start over): stop serving what it had checked."""
+        if self.arriving.pop(version, None) is not None:
+            log.info("no longer serving %s part by part (its fetch failed)", version_dirname(version))
+            self._notify()
+            self._notify_checked()
+
+    def _notify_checked(self) -> None:
+        self._checked.set()
+        self._checked = asyncio.Event()
+
+    async def wait_checked(self, timeout: float) -> None:
+        """Return when anything more of an arriving version counts (or it lands, or is dropped), or after
+        `timeout` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._checked.wait(), timeout)
 
     def path(self, version: int) -> Path:
         return version_path(self.root, version)
@@ -92,6 +169,8 @@ class VersionStore:
     def _advertise(self, version: int, manifest: Manifest) -> None:
         self.advertised[version] = manifest
         self._rejected.pop(version, None)
+        if self.arriving.pop(version, None) is not None:
+            self._notify_checked()
         log.info(
             "serving %s (%d files, %.1f MiB)",
             version_dirname(version),
@@ -104,10 +183,15 @@ class VersionStore:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait_newer(self, after: int, timeout: float) -> None:
-        """Return once a version newer than `after` is advertised, or after `timeout` seconds."""
+    async def wait_newer(self, after: int, timeout: float, partial: bool = False) -> None:
+        """Return once a version newer than `after` is advertised (or, with `partial`, arriving), or after
+        `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        while (self.latest is None or self.latest <= after) and (left := deadline - time.monotonic()) > 0:
+
+        def newest() -> int | None:
+            return max([*self.advertised, *(self.arriving if partial else ())], default=None)
+
+        while ((n := newest()) is None or n <= after) and (left := deadline - time.monotonic()) > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), left)
 

@@ -156,8 +156,9 @@ def get_bytes(
     limit: int,
     wait: float = 0.0,
     on_open: Callable[[socket.socket], None] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> bytes:
-    resp = open_get(server, path, timeout=timeout, wait=wait, on_open=on_open)
+    resp = open_get(server, path, timeout=timeout, headers=headers, wait=wait, on_open=on_open)
     try:
         check_status(resp, path, (200,), timeout)
         return read_body(resp, limit, timeout)

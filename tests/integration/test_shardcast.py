@@ -39,16 +39,22 @@ def payload(version: int, big: int = 6 * MIB) -> dict[str, bytes]:
     }
 
 
-def publish(root: Path, version: int, files: dict[str, bytes]) -> None:
+def publish(root: Path, version: int, files: dict[str, bytes], part_size: int | None = None) -> None:
     """The learner's side of docs/design.md section 4, written independently of bridge.weights: files and manifest
-    in a hidden directory, renamed into place, then STABLE."""
+    in a hidden directory, renamed into place, then STABLE. With `part_size`, the manifest also lists the sha256
+    of each `part_size` slice of every file."""
     staging = root / f".staging-{version}"
     staging.mkdir(parents=True)
-    for name, data in files.items():
+    entries = []
+    for name, data in sorted(files.items()):
         (staging / name).write_bytes(data)
-    entries = [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()} for n, d in sorted(files.items())]
+        entries.append({"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        if part_size is not None:
+            step = range(0, len(data), part_size)
+            entries[-1]["parts"] = [hashlib.sha256(data[i : i + part_size]).hexdigest() for i in step]
     manifest = {
         "version": version,
+        **({"part_size": part_size} if part_size is not None else {}),
         "files": entries,
         "total_size": sum(len(d) for d in files.values()),
         "created": "2026-01-01T00:00:00+00:00",

@@ -36,3 +36,29 @@ def test_summary_when_every_reference_run_failed():
     entry = {"ours": [run(2.0)], "ours_no_fsync": [run(1.0)], "reference": [], "reference_errors": ["boom"]}
     bench.summarize(entry, 4000.0)
     assert entry["ours_best_s"] == 2.0 and "ours_speedup_best_vs_best" not in entry
+
+
+def test_pipelined_and_store_and_forward_side_by_side_and_chain_ratios():
+    report = {
+        "topologies": {
+            "origin->2 relays->1 clients": {
+                "ours": [run(1.0), run(1.2), run(1.1)],
+                "ours_store_and_forward": [run(2.0), run(2.2), run(2.4)],
+            },
+            "chain depth 1: origin->1 relay(s) in a chain->1 client": {
+                "ours": [run(1.0)],
+                "ours_store_and_forward": [run(1.5)],
+            },
+            "chain depth 3: origin->3 relay(s) in a chain->1 client": {
+                "ours": [run(1.2)],
+                "ours_store_and_forward": [run(4.5)],
+            },
+        }
+    }
+    for entry in report["topologies"].values():
+        bench.summarize(entry, 4000.0)
+    bench.compare_modes(report)
+    side = report["pipelined_vs_store_and_forward"]["origin->2 relays->1 clients"]
+    assert side["pipelined_median_s"] == 1.1 and side["store_and_forward_median_s"] == 2.2
+    assert side["speedup_median"] == 2.0
+    assert report["chain_depth_over_depth_1"] == {"pipelined": {"depth_3": 1.2}, "store_and_forward": {"depth_3": 3.0}}

@@ -189,6 +189,8 @@ def test_oversized_answer_is_refused_without_reading_it(serve):
         (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x response"),
         (b"HTTP/1.1 200 OK\r\nX: " + b"y" * 70000, "longer than"),
         (response(500, b'{"error": "disk on fire"}'), "HTTP 500: disk on fire"),
+        (response(200, b'{"latest": null, "versions": [], "partial": "all"}'), "'partial' must be a list"),
+        (response(200, b'{"latest": null, "versions": [], "partial": [1.5]}'), "is not a version"),
     ],
 )
 def test_malformed_listings_are_reported_per_server(serve, tmp_path, answer, message):
@@ -431,3 +433,109 @@ def test_write_part_aligned_bulk_unaligned_tail_and_refusal(tmp_path):
     finally:
         os.close(dfd)
         os.close(fd)
+
+
+# ---- part hashes: parts checked as they land, servers still receiving the version ------------------------
+
+PART = 1 << 20  # DATA is three parts
+
+
+def parted_manifest(files=FILES, version=1) -> bytes:
+    doc = json.loads(manifest_bytes(files, version))
+    doc["part_size"] = PART
+    for entry in doc["files"]:
+        data = files[entry["name"]]
+        entry["parts"] = [hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)]
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_part_with_wrong_bytes_is_caught_at_the_part_and_taken_from_another_server(serve, tmp_path, direct_io):
+    """A server whose second part of the model has one flipped byte: that part fails its own sha256 as soon
+    as it has landed, the server is distrusted, only that part is fetched again, and nothing is refetched
+    whole."""
+    bad = dict(FILES, **{"model.safetensors": DATA[: PART + 7] + bytes([DATA[PART + 7] ^ 1]) + DATA[PART + 8 :]})
+    manifest = parted_manifest()
+    liar = serve(honest(files=bad, manifest=manifest))
+    good = serve(honest(manifest=manifest))
+
+    class LiarFirst:  # every part is asked of the liar while it is trusted
+        def __init__(self, pool):
+            self.pool = pool
+
+        def __getattr__(self, name):
+            return getattr(self.pool, name)
+
+        def choose(self, candidates):
+            candidates = list(candidates)
+            return next((s for s in candidates if str(s) == liar.url), None) or self.pool.choose(candidates)
+
+    c = client(f"{liar.url},{good.url}", parallel=1, buffer_bytes=PART, patience=5, direct_io=direct_io)
+    c.pool = LiarFirst(c.pool)
+    result = c.fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.servers[liar.url]["distrusted"] is True and result.servers[good.url]["distrusted"] is False
+    model = [h["Range"] for p, h in good.requests if p.endswith("model.safetensors")]
+    assert model == [f"bytes={PART}-{2 * PART - 1}", f"bytes={2 * PART}-{3 * PART - 1}"]  # the bad part, the rest
+    assert result.received_bytes == sum(map(len, FILES.values())) + PART
+
+
+def test_a_server_still_receiving_the_version_is_asked_for_checked_parts(serve, tmp_path):
+    """A server that lists the version only under `partial`, serves its manifest and parts only to requests
+    carrying X-Shardcast-Partial, and answers 503 the first time each part is asked for: the client fetches
+    from it, counts no 503 as an error, and lands the version verified; a client with `pipelined=False` does
+    not take it for a holder."""
+    manifest = parted_manifest()
+    script = honest(manifest=manifest, listing=b'{"latest": null, "versions": [], "partial": [1]}')
+    asked: set[str] = set()
+
+    def partial(path, headers, conn):
+        if not path.startswith("/versions") and "X-Shardcast-Partial" not in headers:
+            conn.sendall(response(404, b'{"error": "not held"}'))
+        elif path.endswith(".safetensors") and headers["Range"] not in asked:
+            asked.add(headers["Range"])
+            conn.sendall(response(503, b'{"error": "not checked yet"}', {"Retry-After": "1"}))
+        else:
+            script(path, headers, conn)
+
+    server = serve(partial)
+    result = client(server.url, patience=5, direct_io=False).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert result.servers[server.url]["errors"] == 0 and len(asked) == 3
+    assert all("X-Shardcast-Partial" in h for p, h in server.requests if not p.startswith("/versions"))
+    with pytest.raises(FetchError, match="no server offers version 1"):
+        client(server.url, pipelined=False).fetch(1, tmp_path / "old")
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_resumed_fetch_checks_every_part_it_finds_on_disk_again(serve, tmp_path, direct_io):
+    """A fetch with part hashes breaks off in the third part; meanwhile the first part's bytes on disk are
+    damaged. The resumed fetch checks the parts it finds complete against their sha256: the damaged one is
+    fetched again, the intact one is not, and the version lands exact."""
+    manifest = parted_manifest()
+    script = honest(manifest=manifest)
+
+    def breaks(path, headers, conn):
+        if path.endswith("model.safetensors") and int(headers["Range"].split("=")[1].split("-")[0]) >= 2 * PART:
+            head = {"Content-Range": f"bytes {2 * PART}-{3 * PART - 1}/{len(DATA)}"}
+            conn.sendall(response(206, DATA[2 * PART : 2 * PART + 1000], head, length=PART))
+            return
+        script(path, headers, conn)
+
+    broken = serve(breaks)
+    kw = {"parallel": 1, "buffer_bytes": PART, "direct_io": direct_io}
+    with pytest.raises(FetchError, match="nothing received"):
+        client(broken.url, patience=0.5, **kw).fetch(1, tmp_path)
+    partial = tmp_path / ".v000001.partial" / "model.safetensors"
+    with open(partial, "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    good = serve(honest(manifest=manifest))
+    client(good.url, **kw).fetch(1, tmp_path)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    starts = sorted(
+        int(h["Range"].split("=")[1].split("-")[0]) // PART for p, h in good.requests if p.endswith(".safetensors")
+    )
+    assert starts == [0, 2]  # the damaged part again, and the one that broke off; the intact one stayed

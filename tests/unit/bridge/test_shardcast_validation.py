@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from bridge.shardcast.manifest import ManifestError, parse_manifest, read_version_dir
+from bridge.shardcast.manifest import MAX_MANIFEST_BYTES, ManifestError, parse_manifest, read_version_dir
 from bridge.shardcast.names import (
     ShardcastError,
     check_file_name,
@@ -203,7 +203,7 @@ def test_hostile_manifests_are_refused_naming_the_field(case):
         (b"{not json", "not valid JSON"),
         (b"\xff\xfe", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
-        (b" " * (5 << 20), "exceeds the limit"),
+        (b" " * (MAX_MANIFEST_BYTES + 1), "exceeds the limit"),
     ],
 )
 def test_malformed_or_oversized_manifest_bytes(raw, message):
@@ -308,3 +308,129 @@ def test_client_groups_are_addresses_and_ipv6_slash_64s():
     assert client_group("2001:db8:1:3::1") != client_group("2001:db8:1:2::1")
     assert client_group("::ffff:198.51.100.9") == "198.51.100.9"
     assert client_group("fe80::1%eth0") == "fe80::/64" and client_group("not an address") == "not an address"
+
+
+# ---- part hashes (pipelined relays) ----------------------------------------------------------------------
+
+PART = 64 << 10  # the smallest part size a manifest may declare
+PARTED = {"config.json": b"{}", "big.safetensors": random.Random(1).randbytes(2 * PART + 5), "empty.txt": b""}
+
+
+def parted_doc(files: dict[str, bytes] = PARTED, part_size: int = PART, version: int = 7) -> dict:
+    """A manifest with part hashes, computed here from slices of the data (independently of the writer)."""
+    doc = manifest_doc(files, version)
+    doc["part_size"] = part_size
+    for entry in doc["files"]:
+        data = files[entry["name"]]
+        entry["parts"] = [hashlib.sha256(data[i : i + part_size]).hexdigest() for i in range(0, len(data), part_size)]
+    return doc
+
+
+def test_manifest_with_part_hashes_is_accepted():
+    doc = parted_doc()
+    m = parse_manifest(json.dumps(doc).encode(), "m", version=7)
+    assert m.part_size == PART
+    by_name = {e.name: e for e in m.files}
+    assert len(by_name["big.safetensors"].parts) == 3 and by_name["empty.txt"].parts == ()
+    assert by_name["config.json"].parts == (hashlib.sha256(b"{}").hexdigest(),)
+    assert m.part_range(2, 2 * PART + 5) == (2 * PART, 5)
+    old = parse_manifest(json.dumps(manifest_doc(FILES)).encode(), "m", version=7)  # no part hashes: still valid
+    assert old.part_size is None and all(e.parts == () for e in old.files)
+
+
+def _parted(mutate) -> bytes:
+    doc = parted_doc()
+    mutate(doc)
+    return json.dumps(doc).encode()
+
+
+def _big(key, value):  # files are sorted by name: [big.safetensors, config.json, empty.txt]
+    def mutate(doc):
+        doc["files"][0][key] = value
+
+    return mutate
+
+
+def _big_part(j, value):
+    def mutate(doc):
+        doc["files"][0]["parts"][j] = value
+
+    return mutate
+
+
+HOSTILE_PARTS = {
+    "part_size text": (lambda d: d.update(part_size="65536"), r"'part_size' '65536' is not a multiple of 4096"),
+    "part_size bool": (lambda d: d.update(part_size=True), r"'part_size' True"),
+    "part_size float": (lambda d: d.update(part_size=65536.0), r"'part_size' 65536.0"),
+    "part_size small": (lambda d: d.update(part_size=4096), r"'part_size' 4096 is not .* in 65536\.\.1073741824"),
+    "part_size huge": (lambda d: d.update(part_size=2 << 30), r"'part_size' 2147483648"),
+    "part_size unaligned": (lambda d: d.update(part_size=PART + 1), r"'part_size' 65537 is not a multiple of 4096"),
+    "part_size null": (lambda d: d.update(part_size=None), r"'part_size' None"),
+    "parts missing": (lambda d: d["files"][1].pop("parts"), r"files\[1\]\.parts: NoneType instead of a list of 1"),
+    "parts not list": (_big("parts", "ab" * 32), r"files\[0\]\.parts: str instead of a list of 3"),
+    "one part short": (lambda d: d["files"][0]["parts"].pop(), r"files\[0\]\.parts: 2 part sha256s, but 131077 .*3"),
+    "one part extra": (lambda d: d["files"][0]["parts"].append("0" * 64), r"files\[0\]\.parts: 4 part sha256s"),
+    "empty file part": (lambda d: d["files"][2].update(parts=["0" * 64]), r"files\[2\]\.parts: 1 part sha256s"),
+    "upper hex": (_big_part(1, "A" * 64), r"files\[0\]\.parts\[1\]: 'AAAA.*' is not 64 lower-case hex digits"),
+    "short hex": (_big_part(2, "a" * 63), r"files\[0\]\.parts\[2\]: .* is not 64 lower-case hex digits"),
+    "not hex": (_big_part(0, "g" * 64), r"files\[0\]\.parts\[0\]"),
+    "number": (_big_part(0, 12), r"files\[0\]\.parts\[0\]: '12' is not 64"),
+    "null": (_big_part(0, None), r"files\[0\]\.parts\[0\]: 'None'"),
+    "no part_size": (
+        lambda d: d.pop("part_size"),
+        r"files\[0\]\.parts: part hashes without the manifest's 'part_size'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_PARTS))
+def test_malformed_part_hashes_are_refused_naming_what_is_wrong(case):
+    mutate, message = HOSTILE_PARTS[case]
+    with pytest.raises(ManifestError, match=message):
+        parse_manifest(_parted(mutate), "http://x/v/7/manifest.json", version=7)
+
+
+@pytest.mark.parametrize("chunk", [1, 4095, PART, 3 * PART + 7])
+def test_part_hasher_hashes_the_stream_and_every_part(chunk):
+    from bridge.shardcast.manifest import PartHasher
+
+    data = random.Random(chunk).randbytes(3 * PART + 1234)
+    hasher = PartHasher(PART)
+    for i in range(0, len(data), chunk):
+        hasher.update(data[i : i + chunk])
+    assert hasher.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert hasher.part_digests() == [hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)]
+    exact = PartHasher(PART, whole=False)
+    exact.update(data[: 2 * PART])
+    assert len(exact.part_digests()) == 2  # a stream ending on a boundary has no empty last part
+
+
+def test_the_learners_export_lists_the_part_hashes(tmp_path):
+    """`bridge.weights.write_version` writes `part_size` and every file's part hashes; each is the sha256 of
+    that slice of the file as written, and `parse_manifest` accepts the whole."""
+    import ml_dtypes
+    import numpy as np
+
+    from bridge.weights import TensorSpec, write_version
+
+    specs = [TensorSpec.same(("w",), "model.w", (300, 256)), TensorSpec.same(("b",), "model.b", (256,))]
+    rng = np.random.default_rng(0)
+    values = {s.hf_name: rng.normal(0, 0.02, s.hf_shape).astype(ml_dtypes.bfloat16) for s in specs}
+    out = write_version(
+        specs,
+        lambda s: values[s.hf_name],
+        tmp_path / "v000004",
+        version=4,
+        fsync=False,
+        hf_config={"model_type": "qwen2"},
+        part_size=PART,
+        max_shard_bytes=100 << 10,
+    ).path
+    manifest = parse_manifest((out / "manifest.json").read_bytes(), "t", version=4)
+    assert manifest.part_size == PART and len(manifest.files) >= 3
+    assert any(len(e.parts) > 1 for e in manifest.files)
+    for entry in manifest.files:
+        data = (out / entry.name).read_bytes()
+        slices = [hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)]
+        assert list(entry.parts) == slices, entry.name
+    verify_manifest(out)
