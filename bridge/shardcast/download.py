@@ -468,30 +468,9 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     f"version {self.version}, {f.entry.name}: part {index} failed its sha256 {part.mismatches} "
                     f"times (last from {named})"
                 )
-            if len(sources) == 1 and not unknown:
-                (server,) = sources
-                self._distrusted.add(server)
-                self._last_error[server] = f"sent part {index} of {f.entry.name} with a wrong sha256"
-        if len(sources) == 1 and not unknown:
-            self.pool.distrust(server)
-            log.warning(
-                "version %d, %s: part %d fails its sha256; every byte of it came from %s, which is now distrusted",
-                self.version,
-                f.entry.name,
-                index,
-                server,
-            )
-            return False
-        for server in sources:
-            self.pool.record(server, False)
-        log.warning(
-            "version %d, %s: part %d fails its sha256 (bytes from %s); fetching it again from one server",
-            self.version,
-            f.entry.name,
-            index,
-            named,
-        )
-        return True
+            single = len(sources) == 1 and not unknown
+            self._blame(f, sources, single, f"part {index} of {f.entry.name}", f"part {index} fails its sha256")
+        return not single
 
     def _recheck_part(self, f: _File, part: _Part) -> None:
         """A whole part resumed from disk: it counts once it matches its sha256, else it is fetched again."""

@@ -156,25 +156,7 @@ class Verification:
             self._queue_cv.notify_all()
             return
         sources = sorted(f.sources, key=str)
-        if len(sources) == 1:
-            self._distrusted.add(sources[0])
-            self.pool.distrust(sources[0])
-            self._last_error[sources[0]] = f"sent {f.entry.name} with a wrong sha256"
-            log.warning(
-                "version %d, %s: sha256 mismatch; every byte came from %s, which is now distrusted",
-                self.version,
-                f.entry.name,
-                sources[0],
-            )
-        else:
-            for server in sources:
-                self.pool.record(server, False)
-            log.warning(
-                "version %d, %s: sha256 mismatch from %s; fetching it again from one server",
-                self.version,
-                f.entry.name,
-                ", ".join(map(str, sources)),
-            )
+        self._blame(f, sources, len(sources) == 1, f.entry.name, "sha256 mismatch")
         if f.mismatches > 2 * len(self.pool.servers) + 1:
             self._error = FetchError(
                 f"version {self.version}, {f.entry.name}: sha256 mismatch {f.mismatches} "
@@ -191,3 +173,30 @@ class Verification:
         f.parts = _split(f.entry.size, f.entry.size or 1)
         self._queue.extend((f, p) for p in f.parts)
         self._queue_cv.notify_all()
+
+    def _blame(self, f: _File, sources, single: bool, what: str, failure: str) -> None:
+        """Called with the lock held: bytes of `what` (a file, or a part of it) from `sources` failed their
+        sha256. A single source is distrusted; with several, each is marked failed (the caller fetches again
+        from one server)."""
+        if single:
+            (server,) = sources
+            self._distrusted.add(server)
+            self.pool.distrust(server)
+            self._last_error[server] = f"sent {what} with a wrong sha256"
+            log.warning(
+                "version %d, %s: %s; every byte came from %s, which is now distrusted",
+                self.version,
+                f.entry.name,
+                failure,
+                server,
+            )
+            return
+        for server in sources:
+            self.pool.record(server, False)
+        log.warning(
+            "version %d, %s: %s (bytes from %s); fetching it again from one server",
+            self.version,
+            f.entry.name,
+            failure,
+            ", ".join(sorted(map(str, sources))) or "an earlier run",
+        )
