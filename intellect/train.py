@@ -23,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, nargs="?", default=None, help="TOML recipe")
 
 
-def build_learner(cfg):
-    """(learner, initial params or None when resuming) for a resolved config."""
+def build_learner(cfg, release_memory=None):
+    """(learner, initial params or None when resuming) for a resolved config; `release_memory` goes to the
+    `Learner`."""
     from flax import nnx
 
     from bridge.rollouts import RolloutStore
@@ -86,7 +87,7 @@ def build_learner(cfg):
         async_level=t.async_level,
         keep_versions=t.rollout_keep_versions,
     )
-    learner = Learner(trainer, source, run_dir, base_dir, t, ckpt, announce=announce)
+    learner = Learner(trainer, source, run_dir, base_dir, t, ckpt, announce=announce, release_memory=release_memory)
     return learner, params
 
 
@@ -98,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the accepted-batch polls would drown the log
     from jax_trainer import host
 
-    host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
-    learner, params = build_learner(cfg)
+    done = host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
+    # retained memory is meant to be kept; otherwise what each step frees goes back to the system at once
+    learner, params = build_learner(cfg, None if done["retain_freed_memory"] else host.release_freed_memory)
     try:
         state = learner.run(params)
     finally:

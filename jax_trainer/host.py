@@ -10,6 +10,12 @@ only past 2 GiB free): over 30 steps, no fault at all after the first, and the r
 instead of 1.85 GB. That is the cost: memory the process freed stays its own. `trainer.retain_host_memory =
 "auto"` (the default) turns it on only for models small enough that this cannot exhaust the host
 (`auto_retain`); true or false force it.
+
+Without retention, glibc still keeps much of what a step frees (blocks below its mmap threshold, spread over
+per-thread arenas): a Qwen2.5-0.5B-shaped learner on 2 fake devices held 9.7 GiB between steps for 5.5 GiB of
+live arrays. `release_freed_memory` (glibc's `malloc_trim`) hands that back; the learner calls it after every
+step and export when retention is off, so the memory between steps is the state's, and the next step's
+temporaries are the only growth.
 """
 
 from __future__ import annotations
@@ -42,6 +48,27 @@ def retain_freed_memory() -> bool:
         mallopt(param, value) == 1
         for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
     )
+
+
+def release_freed_memory() -> int:
+    """Return the free memory glibc holds (every arena) to the system; the resident bytes released (0 where
+    the C library is not glibc)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    before = _resident_bytes()
+    trim(0)
+    return max(before - _resident_bytes(), 0)
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def auto_retain(model_dir: str | Path, physical_bytes: int | None = None) -> tuple[bool, str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,8 @@ from jax_trainer.models.hf import export_hf
 from jax_trainer.source import BatchSource
 from jax_trainer.train_step import GRPOTrainer, TrainState
 
+log = logging.getLogger("jax_trainer.learner")
+
 
 class Learner:
     def __init__(
@@ -40,9 +43,12 @@ class Learner:
         checkpointer: Checkpointer | None = None,
         announce: Callable[[int, Path], None] | None = None,
         progress: bool = True,
+        release_memory: Callable[[], int] | None = None,
     ):
         """Of `config` the loop reads `steps`, `export_interval`, `checkpoint_interval`, `export_dtype` and
-        `batch_timeout_s`; `trainer` and `source` were built from the rest of it."""
+        `batch_timeout_s`; `trainer` and `source` were built from the rest of it. `release_memory` (e.g.
+        `jax_trainer.host.release_freed_memory` when freed memory is not retained) runs after every step and
+        export, so that what those freed is not held until the next step."""
         self.trainer = trainer
         self.source = source
         self.run_dir = Path(run_dir)
@@ -51,6 +57,7 @@ class Learner:
         self.checkpointer = checkpointer or Checkpointer(self.run_dir / "checkpoints")
         self.announce = announce
         self.progress = progress
+        self.release_memory = release_memory
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.is_writer = jax.process_index() == 0
@@ -69,6 +76,7 @@ class Learner:
         version = _scalar(state.step)
         out = self.weights_dir / f"v{version:06d}"
         if not _on_all_processes((out / "STABLE").exists()):
+            t0 = time.perf_counter()
             export_hf(
                 self.trainer.model(state.params),
                 out,
@@ -76,9 +84,17 @@ class Learner:
                 source_dir=self.base_model_dir,
                 dtype=self.config.export_dtype,
             )
+            log.info("exported version %d to %s in %.1f s", version, out, time.perf_counter() - t0)
+        self._release()
         if self.announce is not None and self.is_writer:
             self.announce(version, out)
         return out
+
+    def _release(self) -> None:
+        if self.release_memory is not None:
+            released = self.release_memory()
+            if released:
+                log.debug("released %.2f GiB of freed host memory", released / 2**30)
 
     def checkpoint(self, state: TrainState) -> None:
         step = _scalar(state.step)
@@ -114,6 +130,7 @@ class Learner:
         state, metrics = self.trainer.step(state, self.trainer.device_batch(batch.packed))
         metrics = {k: float(_scalar(v)) for k, v in metrics.items()}
         t2 = time.perf_counter()
+        self._release()
         version = _scalar(state.step)
         staleness = collections.Counter(step - v for v in batch.packed.versions)
         record = {

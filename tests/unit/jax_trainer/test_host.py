@@ -53,6 +53,42 @@ def test_freed_memory_is_reused_without_page_faults():
     assert all(f < pages // 100 for f in retained[1:])  # then the same pages are reused
 
 
+TRIM = r"""
+import ctypes, sys
+from jax_trainer import host
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+def resident():
+    return host._resident_bytes()
+# 192 MiB in 64 KiB blocks (below glibc's mmap threshold: they live in the heap), the last one kept so that
+# glibc's own trimming of the heap's top cannot return the rest
+blocks = [libc.malloc(64 << 10) for _ in range(3072)]
+for b in blocks:
+    ctypes.memset(b, 1, 64 << 10)
+for b in blocks[:-1]:
+    libc.free(b)
+held = resident()
+released = host.release_freed_memory()
+print(held, resident(), released)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_release_hands_back_what_glibc_holds():
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert out.returncode == 0, out.stderr
+    held, after, released = map(int, out.stdout.split())
+    assert held - after > 150 << 20, (held, after)  # the freed 192 MiB were resident until the release
+    assert abs(released - (held - after)) < 16 << 20
+
+
 def test_prepare_applies_the_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
     done = host.prepare(retain_memory=False)

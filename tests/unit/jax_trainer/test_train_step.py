@@ -185,7 +185,7 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
     base = tiny_model(family="qwen2")
     mesh = make_mesh(fsdp=-1)
     settings = TrainerConfig(steps=3, export_interval=1, checkpoint_interval=2, export_dtype="float32")
-    announced = []
+    announced, released = [], []
 
     def learner():
         model = load_hf(base, mesh=mesh)
@@ -194,12 +194,21 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
             lambda pos: rollouts(pos, vocab=512, version=max(pos - 1, 0)), rows=4, seq_len=64, async_level=2
         )
         return Learner(
-            trainer, source, tmp_path, base, settings, announce=lambda v, d: announced.append(v), progress=False
+            trainer,
+            source,
+            tmp_path,
+            base,
+            settings,
+            announce=lambda v, d: announced.append(v),
+            progress=False,
+            release_memory=lambda: released.append(len(announced)) or 0,
         ), nnx.split(model)[1]
 
     first, params = learner()
     state = first.run(params)
     assert int(state.step) == 3 and announced == [0, 1, 2, 3]
+    # freed host memory is handed back after every export (before its announcement) and every step
+    assert released == [0, 1, 1, 2, 2, 3, 3]
     versions = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert versions == ["v000000", "v000001", "v000002", "v000003"]
     assert all((tmp_path / "weights" / v / "STABLE").exists() for v in versions)
