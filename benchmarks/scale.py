@@ -306,15 +306,23 @@ def train_flags(args, work: Path) -> list[str]:
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
-def flops_per_token(model_dir: Path, seq: int) -> float:
-    """6 x parameters touched per token (forward + backward) plus causal attention, as in the PaLM appendix."""
+def flops_per_token(model_dir: Path, seq: int, executed: bool = False) -> float:
+    """The model's FLOPs per trained token: 6 x parameters touched (forward + backward) plus causal attention, as
+    in the PaLM appendix. `executed=True` counts what the step runs besides: the forward of pi_old
+    (`loss.logprob_source = "recompute"`) and each layer's forward again in the backward pass (remat)."""
     c = json.loads((model_dir / "config.json").read_text())
     h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
     hd = c.get("head_dim") or h // heads
     per_layer = h * hd * (heads + 2 * kv) + heads * hd * h + 3 * h * inter
-    dense = layers * per_layer + h * vocab  # the LM head (tied or not, it is a matmul per token)
-    return 6 * dense + 6 * layers * heads * hd * seq  # attention: QK^T and AV, causal (half of 2 x 2 x seq)
+    head = h * vocab  # the LM head (tied or not, it is a matmul per token)
+    attention = 2 * layers * heads * hd * seq  # QK^T and AV, causal (half of 2 x 2 x seq), forward only
+    model = 6 * (layers * per_layer + head) + 3 * attention
+    if not executed:
+        return model
+    pi_old = 2 * (layers * per_layer + head) + attention
+    remat = 2 * layers * per_layer + attention
+    return model + pi_old + remat
 
 
 def main() -> int:
@@ -420,8 +428,10 @@ def main() -> int:
                 r["step_s"] = step_s
                 r["tokens_per_s"] = round(tokens / step_s, 1)
                 r["gflops"] = round(tokens * flops_per_token(args.model, args.seq) / step_s / 1e9, 1)
+                r["executed_gflops"] = round(tokens * flops_per_token(args.model, args.seq, True) / step_s / 1e9, 1)
                 if "gflops" in out.get("matmul", {}):
                     r["of_matmul_peak"] = round(r["gflops"] / out["matmul"]["gflops"], 3)
+                    r["executed_of_matmul_peak"] = round(r["executed_gflops"] / out["matmul"]["gflops"], 3)
     if "export" in stages:
         shutil.rmtree(work / "weights", ignore_errors=True)
         (work / "weights").mkdir(parents=True)
