@@ -74,9 +74,10 @@ def test_plan_command_says_whether_it_fits(tiny_model):
 
 def test_the_update_holds_no_second_copy_of_the_state():
     """A step that may be skipped (non-finite loss) must not keep the old parameters and moments beside the new
-    ones: with activations negligible (one row of 8 tokens), the temporaries are the gradients, and not the
-    three times the parameters that selecting between old and new values took."""
+    ones: with activations negligible (one row of 8 tokens), the temporaries are the gradients: 1.5x the
+    parameters (2.1x with the learner's XLA:CPU fusion flags, which a process that ran `intellect train` first
+    has), against 3.0x when old and new values were selected with `where`."""
     wide = dataclasses.replace(CFG, hidden_size=256, intermediate_size=512, num_layers=4, head_dim=64)
     one = make_mesh(fsdp=1, devices=jax.devices()[:1])
     plan = plan_step(_trainer(wide, one), micro_batches=2, rows=1, seq_len=8)
-    assert plan.params <= plan.temporaries < 2 * plan.params, (plan.temporaries, plan.params)
+    assert plan.params <= plan.temporaries < 2.5 * plan.params, (plan.temporaries, plan.params)
