@@ -256,7 +256,7 @@ class Engine:
                 check.old,
                 check.version,
                 diff,
-                time.perf_counter() - t0,
+                self.last_check["waited_s"],
             )
             if diff > self.swap_tolerance:
                 self._unvouched = SwapError(

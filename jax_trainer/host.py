@@ -38,7 +38,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # mallopt parameters 
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed memory for reuse; False where the C library is not glibc (nothing changed)."""
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
@@ -54,13 +54,17 @@ def release_freed_memory() -> int:
     """Return the free memory glibc holds (every arena) to the system; the resident bytes released (0 where
     the C library is not glibc)."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return 0
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
     before = _resident_bytes()
     trim(0)
     return max(before - _resident_bytes(), 0)
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
 def _resident_bytes() -> int:
