@@ -306,10 +306,11 @@ def train_flags(args, work: Path) -> list[str]:
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
 
-def flops_per_token(model_dir: Path, seq: int, executed: bool = False) -> float:
+def flops_per_token(model_dir: Path, seq: int, executed: bool = False, pi_old: bool = False) -> float:
     """The model's FLOPs per trained token: 6 x parameters touched (forward + backward) plus causal attention, as
-    in the PaLM appendix. `executed=True` counts what the step runs besides: the forward of pi_old
-    (`loss.logprob_source = "recompute"`) and each layer's forward again in the backward pass (remat)."""
+    in the PaLM appendix. `executed=True` counts what the step runs besides: each layer's forward again in the
+    backward pass (remat) and, with `pi_old`, a forward pass for pi_old (`loss.logprob_source = "recompute"` with
+    more than one optimizer step per batch; with one, the step's own forward gives pi_old)."""
     c = json.loads((model_dir / "config.json").read_text())
     h, layers, inter, vocab = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
@@ -320,9 +321,8 @@ def flops_per_token(model_dir: Path, seq: int, executed: bool = False) -> float:
     model = 6 * (layers * per_layer + head) + 3 * attention
     if not executed:
         return model
-    pi_old = 2 * (layers * per_layer + head) + attention
     remat = 2 * layers * per_layer + attention
-    return model + pi_old + remat
+    return model + remat + (2 * (layers * per_layer + head) + attention if pi_old else 0)
 
 
 def main() -> int:

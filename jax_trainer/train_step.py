@@ -146,7 +146,11 @@ class GRPOTrainer:
         m = batch["tokens"].shape[0]
         if m % k:
             raise ValueError(f"{m} micro-batches do not split into steps_per_batch={k} equal groups")
-        if loss_cfg.logprob_source == "recompute":
+        if loss_cfg.logprob_source == "recompute" and k == 1:
+            # one optimizer step per batch: pi_old is the policy the gradient is taken at, so each micro-batch's
+            # own forward gives it (`micro_loss`); a separate forward pass would compute the same numbers again
+            old = None
+        elif loss_cfg.logprob_source == "recompute":
             old = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(state.params, mb)[0]), batch)
         else:
             old = shifted["inference_logprobs"]
@@ -161,6 +165,8 @@ class GRPOTrainer:
 
         def micro_loss(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples):
             lp, ent = self._logprobs(params, mb)
+            if old_lp is None:
+                old_lp = jax.lax.stop_gradient(lp)
             w = token_weights(sh["mask"], sh["completion_lens"], loss_cfg, total_tokens, total_samples)
             return policy_loss(
                 lp,

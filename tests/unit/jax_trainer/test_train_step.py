@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -103,6 +104,58 @@ def test_several_optimizer_steps_per_batch_move_the_ratio():
     assert int(state.step) == 2
     # pi_old is fixed at the start of the step: the second optimizer step sees ratios != 1
     assert float(metrics["ratio_max"]) > 1.0 + 1e-4
+
+
+def _numpy_logprobs(model, packed, temperature):
+    """log pi(token t | tokens < t) of every packed row, in numpy from the model's hidden states and head."""
+    out = np.zeros(packed.tokens.shape, np.float32)
+    head = np.asarray(model.head(), np.float64)
+    for i in range(packed.tokens.shape[0]):
+        hidden = np.asarray(model.hidden_states(packed.tokens[i], packed.positions[i], packed.segment_ids[i]))
+        z = hidden[:, :-1].astype(np.float64) @ head / temperature
+        z -= z.max(-1, keepdims=True)
+        lse = np.log(np.exp(z).sum(-1))
+        out[i, :, 1:] = np.take_along_axis(z, packed.tokens[i][:, 1:, None], -1)[..., 0] - lse
+    return out
+
+
+def test_one_optimizer_step_per_batch_takes_pi_old_from_its_own_forward():
+    """With one optimizer step per batch, pi_old is the policy being differentiated: a `recompute` step gets it
+    from each micro-batch's own forward (no second forward pass), and its update equals that of a step told
+    pi_old through `inference_logprobs`, computed here in numpy."""
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    # two micro-batches: with one, XLA merges the two identical forwards itself
+    packed = InMemorySource(rollouts, rows=2, seq_len=64, multiple_of=2, async_level=10).next(0).packed
+    assert packed.shape[0] == 2
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0, eps=1e-3)
+    model = init_random(CFG, mesh=mesh, seed=0)
+    told = dataclasses.replace(packed, inference_logprobs=_numpy_logprobs(model, packed, LossConfig().temperature))
+    results, flops = [], {}
+    for source, batch in (("recompute", packed), ("inference", told)):
+        trainer, state = make_trainer(mesh, loss=LossConfig(logprob_source=source), optim=optim)
+        device_batch = trainer.device_batch(batch)
+        compiled = trainer.jitted_step(state, device_batch).lower(state, device_batch, None).compile()
+        flops[source] = compiled.cost_analysis()["flops"]
+        state, metrics = trainer.step(state, device_batch)
+        results.append((leaves(state), float(metrics["loss"]), float(metrics["ratio_max"])))
+    (p1, l1, r1), (p2, l2, r2) = results
+    assert r1 == 1.0 and abs(r2 - 1.0) < 1e-4  # pi / pi_old: exactly 1 from the same forward, ~1 from numpy's
+    assert np.isclose(l1, l2, rtol=1e-4, atol=1e-6)
+    for a, b in zip(p1, p2):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+    assert flops["recompute"] < 1.01 * flops["inference"]  # no forward pass for pi_old
+    # with two optimizer steps per batch pi_old is the batch's starting policy: one forward more, kept
+    trainer, state = make_trainer(
+        mesh, loss=LossConfig(logprob_source="recompute"), config=TrainerConfig(steps_per_batch=2)
+    )
+    two = InMemorySource(rollouts, rows=2, seq_len=64, multiple_of=2, async_level=10).next(0).packed
+    device_batch = trainer.device_batch(two)
+    compiled = trainer.jitted_step(state, device_batch).lower(state, device_batch, None).compile()
+    trainer_inf, state_inf = make_trainer(
+        mesh, loss=LossConfig(logprob_source="inference"), config=TrainerConfig(steps_per_batch=2)
+    )
+    compiled_inf = trainer_inf.jitted_step(state_inf, device_batch).lower(state_inf, device_batch, None).compile()
+    assert compiled.cost_analysis()["flops"] > 1.2 * compiled_inf.cost_analysis()["flops"]
 
 
 def test_save_restore_continue_is_bitwise_equal_to_straight_training(tmp_path):
