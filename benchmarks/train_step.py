@@ -137,7 +137,7 @@ def worker_jax(args) -> None:
         optim = OptimConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP, warmup_steps=0
         )
-        trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference"), optim)
+        trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference", temperature=1.0), optim)
         box["trainer"], box["state"] = trainer, trainer.init_state(nnx.split(model)[1])
         box["batch"] = trainer.device_batch(_packed(make_batch(args)))
         compile_s.clear()
@@ -174,7 +174,8 @@ def worker_torch(args) -> None:
     box = {}
 
     def loss_and_metrics(model, b):
-        """The GRPO loss of `jax_trainer.loss` (token_mean, eps 0.2/0.2, delta 4) with pi_old = inference."""
+        """The GRPO loss of `jax_trainer.loss` (token_mean, eps 0.2/0.2, delta 4, temperature 1) with pi_old =
+        inference."""
         tokens = b["tokens"]
         logits = model(tokens).logits[:, :-1]
         logp = torch.log_softmax(logits, dim=-1)
@@ -386,6 +387,11 @@ def main() -> None:
                     "torch_loss": ready["torch"]["loss"],
                     "jax_grad_norm": ready["jax"]["grad_norm"],
                     "torch_grad_norm": ready["torch"]["grad_norm"],
+                    # the same loss on the same weights and batch: a difference is a bug, not noise
+                    "agree": all(
+                        abs(ready["jax"][k] - ready["torch"][k]) <= 1e-3 * abs(ready["torch"][k]) + 1e-6
+                        for k in ("loss", "grad_norm")
+                    ),
                 },
                 "xla_flags": ready["jax"]["xla_flags"],
                 "torch_threads": ready["torch"]["threads"],
