@@ -8,8 +8,9 @@ ru_maxrss, which covers the process and the children it waited for):
 - `train`: `intellect train` for `--steps` steps on stored batches of `--samples` samples of up to `--seq`
   tokens (`--micro-batches` accumulation steps, remat on, float32 master weights), on `--devices` fake CPU
   devices; reports the step time from metrics.jsonl, tokens/s, the FLOP rate against `matmul`, and the
-  learner's own memory plan (the `plan:` lines it logs from the compiled step) and the seconds of its own
-  exports (in the process, from the parameters it holds: what a run pays per version);
+  learner's own memory plan (the `plan:` lines it logs from the compiled step; on CPU devices its total for
+  the host, against which the steps' peak resident set is set) and the seconds of its own exports (in the
+  process, from the parameters it holds: what a run pays per version);
 - `export`: `intellect export` of the trained checkpoint as bf16 safetensors (a new policy version), a process
   of its own that restores the checkpoint first;
 - `shardcast`: an origin and a relay (`intellect shardcast origin|relay`) and a client
@@ -416,6 +417,11 @@ def main() -> int:
             elif plan and (m := re.search(r"train_step INFO {3}(\S.*?) {2,}([\d.]+ [KMG]iB)", line)):
                 plan[m.group(1)] = m.group(2)
         r["plan_per_device"] = plan
+        if "this host" in plan:  # CPU devices: the plan's total for the process, against what it reached
+            host_gib = float(plan["this host"].split()[0]) * (1 if plan["this host"].endswith("GiB") else 2**-10)
+            r["plan_host_gib"] = host_gib
+            if r.get("peak_rss_gib_until"):
+                r["steps_peak_over_plan"] = round(r["peak_rss_gib_until"] / host_gib, 3)
         exports = re.findall(r"exported version \d+ to \S+ in ([\d.]+) s", (work / "train.log").read_text())
         if exports:  # the learner's own export of a version (in the process, from the parameters it holds)
             r["export_in_learner_s"] = [float(x) for x in exports]

@@ -58,16 +58,17 @@ def release_freed_memory() -> int:
     except (OSError, AttributeError):
         return 0
     trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    before = _resident_bytes()
+    before = resident_bytes()
     trim(0)
-    return max(before - _resident_bytes(), 0)
+    return max(before - resident_bytes(), 0)
 
 
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
-def _resident_bytes() -> int:
+def resident_bytes() -> int:
+    """This process's resident set now (0 where /proc cannot tell)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -112,14 +113,15 @@ def auto_retain(model_dir: str | Path, physical_bytes: int | None = None) -> tup
 
 def prepare(retain_memory: bool | str = True, model_dir: str | Path | None = None) -> dict:
     """XLA:CPU flags (`jax_trainer.xla_flags`; other backends ignore them) and, if asked, `retain_freed_memory`
-    (`retain_memory = "auto"`: as `auto_retain` decides for `model_dir`, logged). Call before the first JAX
-    computation; returns what was done."""
+    (`retain_memory = "auto"`: as `auto_retain` decides for `model_dir`, logged). Without retention, memory is
+    what counts: the lean flags (no YNNPACK fusion, whose buffers no memory plan sees). Call before the first
+    JAX computation; returns what was done."""
     if retain_memory == "auto":
         retain_memory, why = auto_retain(model_dir) if model_dir is not None else (False, "no model to size")
         log.info("host memory retention %s: %s", "on" if retain_memory else "off", why)
     if "jax" in sys.modules:
         log.debug("jax is already imported: XLA flags apply only if no backend has started yet")
-    done = {"xla_flags": xla_flags.apply("cpu"), "retain_freed_memory": False}
+    done = {"xla_flags": xla_flags.apply("cpu", lean=not retain_memory), "retain_freed_memory": False}
     if retain_memory:
         done["retain_freed_memory"] = retain_freed_memory()
     return done

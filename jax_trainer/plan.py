@@ -12,6 +12,11 @@ compiled executable's memory analysis. Per device:
 - peak: arguments + temporaries + outputs not aliased to an argument, XLA's own estimate of the step's
   footprint.
 
+On CPU devices (fake ones included) every device's memory is the host's, so the plan adds the host's total:
+the local devices' peaks plus the process's own runtime (interpreter, libraries, the compiled step), measured
+in the planning process once the step is compiled. XLA:CPU also allocates some memory outside its buffer
+assignment (inside library calls such as YNNPACK's fused matmuls) that no analysis of the program shows.
+
 The largest models compile slowly on one host (every layer is its own HLO), so `plan_step` can compile two
 shallow copies of the model (`layers` and 2 x `layers` deep) and extrapolate each figure linearly in depth:
 `extrapolate_layers` does that and says so in the plan.
@@ -38,6 +43,13 @@ class MemoryPlan:
     outputs_not_aliased: int
     peak: int
     note: str = ""
+    host_devices: int = 0  # CPU devices of this process, which share the host's memory (0: accelerators)
+    host_runtime: int = 0  # the process's resident bytes besides its arrays, measured after compiling
+
+    @property
+    def host_peak(self) -> int:
+        """The process's peak on a CPU host: every local device's peak plus the runtime (0 on accelerators)."""
+        return self.host_devices * self.peak + self.host_runtime if self.host_devices else 0
 
     def fits(self, device_bytes: int) -> bool:
         return self.peak <= device_bytes
@@ -53,6 +65,11 @@ class MemoryPlan:
             f"  step temporaries  {_size(self.temporaries)}  (gradients, activations, updates)",
             f"  peak              {_size(self.peak)}",
         ]
+        if self.host_devices:
+            out.append(
+                f"  this host         {_size(self.host_peak)}  ({self.host_devices} CPU device"
+                f"{'s' if self.host_devices > 1 else ''} x peak + {_size(self.host_runtime).strip()} of runtime)"
+            )
         if device_bytes:
             verdict = "fits" if self.fits(device_bytes) else "DOES NOT FIT"
             out.append(
@@ -92,6 +109,8 @@ def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
     arguments = analysis.argument_size_in_bytes
     outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
     temporaries = analysis.temp_size_in_bytes
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    on_host = bool(local) and all(d.platform == "cpu" for d in local)
     return MemoryPlan(
         devices=mesh.size,
         mesh=dict(mesh.shape),
@@ -101,7 +120,19 @@ def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
         temporaries=temporaries,
         outputs_not_aliased=outputs,
         peak=arguments + temporaries + outputs,
+        host_devices=len(local) if on_host else 0,
+        host_runtime=runtime_bytes() if on_host else 0,
     )
+
+
+def runtime_bytes() -> int:
+    """This process's resident bytes besides the jax arrays it holds (interpreter, libraries, compiled programs),
+    after handing what the C allocator holds free back to the system (`jax_trainer.host`)."""
+    from jax_trainer import host
+
+    host.release_freed_memory()
+    arrays = sum(shard.data.nbytes for x in jax.live_arrays() for shard in x.addressable_shards)
+    return max(host.resident_bytes() - arrays, 0)
 
 
 def extrapolate_layers(
@@ -122,5 +153,7 @@ def extrapolate_layers(
         temporaries=at(shallow.temporaries, deeper.temporaries),
         outputs_not_aliased=at(shallow.outputs_not_aliased, deeper.outputs_not_aliased),
         peak=at(shallow.peak, deeper.peak),
+        host_devices=deeper.host_devices,
+        host_runtime=deeper.host_runtime,
         note=f"[{layers} layers, extrapolated from compiled {shallow_layers}- and {deeper_layers}-layer copies]",
     )

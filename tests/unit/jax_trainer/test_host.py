@@ -60,7 +60,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = (ctypes.c_void_p,)
 def resident():
-    return host._resident_bytes()
+    return host.resident_bytes()
 # 192 MiB in 64 KiB blocks (below glibc's mmap threshold: they live in the heap), the last one kept so that
 # glibc's own trimming of the heap's top cannot return the rest
 blocks = [libc.malloc(64 << 10) for _ in range(3072)]
@@ -95,6 +95,11 @@ def test_prepare_applies_the_xla_flags(monkeypatch):
     assert done["retain_freed_memory"] is False
     assert os.environ["XLA_FLAGS"].split()[0] == "--xla_cpu_enable_fast_math=false"
     assert all(flag in os.environ["XLA_FLAGS"] for flag in done["xla_flags"])
+    # without retention memory is tight: no YNNPACK fusion (its buffers are outside XLA's plan); with it, speed
+    assert "--xla_cpu_experimental_ynn_fusion_type=" in done["xla_flags"]
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(host, "retain_freed_memory", lambda: True)
+    assert "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce" in host.prepare(True)["xla_flags"]
 
 
 def test_safety_flags_keep_the_users_value_and_start_jax(tmp_path):
@@ -105,11 +110,12 @@ def test_safety_flags_keep_the_users_value_and_start_jax(tmp_path):
     assert "--xla_cpu_collective_timeout_seconds=5" in env["XLA_FLAGS"].split()
     assert all(not flag.startswith("--xla_cpu_collective_timeout_seconds") for flag in added) and added
     # XLA aborts on a flag it does not know: a fresh process with every flag we add must compute
-    full = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    xla_flags.apply("cpu", full)
-    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x.sum())(jnp.ones(3))))"
-    result = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "3.0", result.stderr[-2000:]
+    for lean in (False, True):
+        full = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+        xla_flags.apply("cpu", full, lean=lean)
+        code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: x.sum())(jnp.ones(3))))"
+        result = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.strip() == "3.0", result.stderr[-2000:]
 
 
 def test_auto_retention_only_where_the_model_leaves_room(tmp_path, monkeypatch):

@@ -81,3 +81,25 @@ def test_the_update_holds_no_second_copy_of_the_state():
     one = make_mesh(fsdp=1, devices=jax.devices()[:1])
     plan = plan_step(_trainer(wide, one), micro_batches=2, rows=1, seq_len=8)
     assert plan.params <= plan.temporaries < 2.5 * plan.params, (plan.temporaries, plan.params)
+
+
+def test_a_cpu_plan_adds_the_host_runtime_to_its_devices_peaks():
+    """On CPU devices the host's memory is every device's: the plan's host total is the local devices' peaks
+    plus the process's runtime, which is its resident set less the arrays it holds (so arrays allocated in
+    between, sharded or replicated, do not move it)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jax_trainer.plan import runtime_bytes
+
+    two = make_mesh(fsdp=2, devices=jax.devices()[:2])
+    plan = plan_step(_trainer(CFG, two), micro_batches=1, rows=2, seq_len=16)
+    assert plan.host_devices == 2
+    assert 50 << 20 < plan.host_runtime < 8 << 30
+    assert any(line.split()[:2] == ["this", "host"] for line in plan.lines())
+    before = runtime_bytes()
+    sharded = jax.device_put(jnp.ones((64 << 20) // 4, jnp.float32), NamedSharding(two, PartitionSpec("fsdp")))
+    replicated = jax.device_put(jnp.ones((32 << 20) // 4, jnp.float32), NamedSharding(two, PartitionSpec()))
+    jax.block_until_ready((sharded, replicated))
+    np.testing.assert_allclose(runtime_bytes(), before, atol=24 << 20)  # 128 MiB were allocated
+    del sharded, replicated
