@@ -63,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
             if not f.startswith("--xla_force_host_platform_device_count")
         ]
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    from jax_trainer import host, xla_flags
+
+    # the XLA:CPU flags `intellect train` would pick (`jax_trainer.host.prepare`), so the plan is of its program
+    retain = cfg.trainer.retain_host_memory
+    if retain == "auto":
+        retain = host.auto_retain(cfg.model.path)[0]
+    xla_flags.apply("cpu", lean=not retain)
     import jax
 
     from intellect.learner_setup import mesh_from_config, trainer_for

@@ -127,8 +127,7 @@ class LossConfig(Section):
     temperature: float = Field(0.6, gt=0)
     """Temperature the learner divides logits by; must equal worker.temperature."""
     logprob_source: Literal["recompute", "inference"] = "recompute"
-    """Old-policy logprobs from the learner's parameters ("recompute") or as the inference engine reported them.
-    With one optimizer step per batch, "recompute" costs nothing: the step's own forward is pi_old's."""
+    """Old-policy logprobs from the learner ("recompute"; no extra pass with steps_per_batch 1) or the engine's."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
