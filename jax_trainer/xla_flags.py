@@ -13,8 +13,8 @@ YNNPACK's fusions allocate their intermediates themselves, outside XLA's buffer 
 sees them: a Qwen2.5-0.5B-shaped step (8 layers, 2 fake devices, 16 x 160 tokens) grew the process by 4.67 GiB
 with them against 3.87 GiB of planned temporaries, and by 3.87 GiB against 3.23 GiB with no YNNPACK fusion
 at all (`--xla_cpu_experimental_ynn_fusion_type=`, which was not slower there: 78 s a step against 83 s). A
-tiny matmul-and-sum, [256, 896] x [896, 151936] summed over rows, grew it by 663 MiB fused and by 153 MiB of
-planned temporaries unfused. `apply(platform, lean=True)` uses the `LEAN` flags instead: no YNNPACK fusion,
+tiny matmul-and-sum, [256, 896] x [896, 151936] summed over rows, grew it by 663 MiB fused (0 B planned) and
+by 501 MiB unfused (153 MiB planned). `apply(platform, lean=True)` uses the `LEAN` flags instead: no YNNPACK fusion,
 for learners whose memory is tight (`jax_trainer.host.prepare` picks them when host memory retention is off).
 
 `SAFETY` flags are not about speed and go wherever this project starts JAX (every `intellect` command, the
