@@ -19,7 +19,8 @@ def _has_cuda() -> bool:
 BASE = [
     "numpy<2.4",
     "httpx>=0.27",  # bridge.protocol's blocking client (learner, workers, validators)
-    "cryptography>=42",  # ed25519 request signing (every role)
+    "cryptography>=42",  # ed25519 keys and request signing (every role)
+    "pynacl>=1.5",  # ed25519 verification (libsodium; the orchestrator verifies every node request)
     "pydantic>=2.10",
     "pydantic-settings>=2.6",
     "rich>=13",
@@ -48,6 +49,7 @@ WORKER = [
 ORCHESTRATOR = [
     "fastapi>=0.110",
     "uvicorn>=0.30",
+    "uvloop>=0.19",  # the server's event loop (uvicorn picks it up) and the load benchmark's
     "sqlalchemy>=2.0",
     "prometheus_client>=0.20",
     "aiohttp>=3.9",  # the async client (load benchmark, many simulated nodes)

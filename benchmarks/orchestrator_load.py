@@ -41,6 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import uvloop
 from _common import OrchestratorProcess
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
@@ -362,7 +363,7 @@ async def hostile_mix(url: str, hostile: dict, per_address: int, registered, sto
 def _hostile_process(url: str, hostile: dict, per_address: int, registered, stop_flag, results) -> None:
     gc.collect()
     gc.freeze()
-    results.put(asyncio.run(hostile_mix(url, hostile, per_address, registered, stop_flag)))
+    results.put(uvloop.run(hostile_mix(url, hostile, per_address, registered, stop_flag)))
 
 
 async def run_load(
@@ -521,7 +522,7 @@ def main() -> None:
             config = Path(tmp) / "bench.toml"
             config.write_text(CONFIG.format(dir=Path(tmp) / "run", token=TOKEN, deadline=args.deadline_s))
             with OrchestratorProcess(Path(tmp) / "server.log", config) as server:
-                result = asyncio.run(
+                result = uvloop.run(
                     run_load(
                         server.url,
                         server.proc.pid,

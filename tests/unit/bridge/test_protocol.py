@@ -9,6 +9,7 @@ import stat
 import httpx
 import numpy as np
 import pytest
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
@@ -26,6 +27,7 @@ from bridge.protocol import (
     load_or_create_key,
     public_key_hex,
     sign_request,
+    signing_string,
     solve_challenge,
     verify_signature,
 )
@@ -82,6 +84,34 @@ def test_any_changed_part_fails_verification(change):
 )
 def test_malformed_key_or_signature_is_false_not_an_exception(key, signature):
     assert verify_signature(key, signature, "GET", "/", "0", "00" * 8, b"") is False
+
+
+def test_verification_agrees_with_openssl_on_honest_and_altered_signatures():
+    """verify_signature (libsodium) against OpenSSL's ed25519 through `cryptography`, the independent reference:
+    every honest signature of many keys passes both, every altered one fails both, and a signature whose S is
+    pushed past the group order (a malleated copy of an honest one) is refused."""
+    order = 2**252 + 27742317777372353535851937790883648493
+    rng = np.random.default_rng(5)
+    for i in range(64):
+        key = Ed25519PrivateKey.from_private_bytes(rng.bytes(32))
+        body = rng.bytes(int(rng.integers(0, 300)))
+        headers = sign_request(key, "POST", f"/v1/x/{i}", body, timestamp_ms=1700000000000 + i, nonce="ef" * 8)
+        node, signature = headers["X-Node-Key"], bytes.fromhex(headers["X-Signature"])
+        message = signing_string("POST", f"/v1/x/{i}", 1700000000000 + i, "ef" * 8, body)
+        public = Ed25519PublicKey.from_public_bytes(bytes.fromhex(node))
+        public.verify(signature, message)  # OpenSSL accepts it
+        assert verify_signature(node, signature.hex(), "POST", f"/v1/x/{i}", str(1700000000000 + i), "ef" * 8, body)
+        bad = bytearray(signature)
+        bad[int(rng.integers(0, 64))] ^= 1 << int(rng.integers(0, 8))
+        with pytest.raises(InvalidSignature):
+            public.verify(bytes(bad), message)
+        assert not verify_signature(node, bad.hex(), "POST", f"/v1/x/{i}", str(1700000000000 + i), "ef" * 8, body)
+        s = int.from_bytes(signature[32:], "little") + order
+        if s < 2**256:
+            malleated = signature[:32] + s.to_bytes(32, "little")
+            assert not verify_signature(
+                node, malleated.hex(), "POST", f"/v1/x/{i}", str(1700000000000 + i), "ef" * 8, body
+            )
 
 
 def test_challenge_hash_matches_exact_float64_and_python_int_products():
