@@ -103,7 +103,6 @@ class ShardcastClient:
         use_deltas: bool = True,
         mirror_deltas: bool = False,
         pipelined: bool = True,
-        background_whole_check: bool = False,
     ):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
@@ -112,10 +111,7 @@ class ShardcastClient:
         `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it;
         `use_deltas`: rebuild files from versions held in the output directory where the manifest lists deltas
         (`bridge.shardcast.delta`); `mirror_deltas`: land the delta files too (relays, which serve them);
-        `pipelined`: also fetch versions with part hashes from servers still receiving them (see above);
-        `background_whole_check`: the whole-file check of files with part hashes yields the CPU to the transfer
-        (relays, which serve checked parts meanwhile; see `bridge.shardcast.verify`)."""
-        self.background_whole_check = background_whole_check
+        `pipelined`: also fetch versions with part hashes from servers still receiving them (see above)."""
         self.use_deltas, self.mirror_deltas, self.pipelined = use_deltas, mirror_deltas, pipelined
         self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
         self.parallel = parallel or min(4, os.cpu_count() or 1)
@@ -298,7 +294,6 @@ class ShardcastClient:
             mirror_deltas=self.mirror_deltas,
             listener=listener,
             partial_wait=self.partial_wait if self.pipelined else None,
-            background_whole_check=self.background_whole_check,
         )
         result = download.run()
         if not result.already_present:

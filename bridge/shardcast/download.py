@@ -21,9 +21,11 @@ serve them early), to serve them.
 Part hashes (a manifest with `part_size`): such a file is fetched in exactly the manifest's parts, and each part
 is checked against its own sha256 as soon as its last byte has landed, before it counts: with direct I/O from
 its buffer before it is written, otherwise from the page cache. A part that fails is fetched again (a server
-whose bytes alone failed it is distrusted), so a lying server costs one part, not a file. The file's hasher
-follows the checked parts only and still checks the whole file's sha256. A `FetchListener` hears of every
-checked part and file (a relay serves them while the rest arrives: `bridge.shardcast.relay`), and
+whose bytes alone failed it is distrusted), so a lying server costs one part, not a file. The file is verified
+once its last part is: the manifest's part hashes cover every byte (`manifest` refuses a file whose part count
+does not match its size), and the manifest is the one pinned by the learner's announcement, so hashing the
+whole file again would check nothing more and cost every hop one more pass over the bytes. A `FetchListener`
+hears of every checked part and file (a relay serves them while the rest arrives: `bridge.shardcast.relay`), and
 `partial_wait` asks servers for parts of versions they are still receiving, waiting up to that many seconds.
 
 `Download` schedules the parts (this module) and takes its other concerns from mixins, one module each:
@@ -79,7 +81,7 @@ class FetchListener:
         """Part `index` of file `name` matches its sha256 in the manifest, and is final on disk."""
 
     def file_verified(self, name: str) -> None:
-        """The whole file `name` matches its sha256 and is final on disk."""
+        """The whole file `name` is verified (its sha256, or every part's) and is final on disk."""
 
     def abandoned(self) -> None:
         """The fetch failed: what it reported may be rewritten by a later attempt."""
@@ -143,16 +145,13 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         bases_root: Path | None = None,
         listener: FetchListener | None = None,
         partial_wait: float | None = None,
-        background_whole_check: bool = False,
     ):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
         fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
         `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
         has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them). `listener`: told of
         every checked part and file; `partial_wait`: with part hashes, also take parts from servers that are
-        still receiving the version, each waiting up to that many seconds for a part (None: never);
-        `background_whole_check`: check whole files that have part hashes at a lower CPU priority (`verify`)."""
-        self.background_whole_check = background_whole_check
+        still receiving the version, each waiting up to that many seconds for a part (None: never)."""
         self.manifest, self.version = manifest, manifest.version
         self.use_deltas = use_deltas and deltas.HAVE_ZSTD
         self.entries: list[FileEntry] = (list(manifest.deltas) if mirror_deltas else []) + list(manifest.files)
@@ -249,7 +248,7 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
             threading.Thread(target=self._worker, name=f"shardcast-get-{i}", daemon=True) for i in range(self.parallel)
         ]
         for f in self._files:
-            if not f.verified and f.complete():
+            if not f.verified and not f.part_hashed and f.complete():
                 self._start_hasher(f)
         for t in workers:
             t.start()
@@ -326,7 +325,7 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                         part.buf = self.buffers.take()
                     if f.fd is None:
                         f.fd = os.open(f.path, os.O_RDWR)
-                    if not f.hashing:
+                    if not f.hashing and not f.part_hashed:
                         self._start_hasher(f)
                 if recheck:
                     self._recheck_part(f, part)
@@ -433,7 +432,13 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                     f.direct_refused = True  # refused at write time: the rest goes through the page cache
             with self._lock:
                 part.ready = True
+                if f.part_hashed:  # checked from the buffer before the write: nothing else needs it
+                    self.buffers.give_back(part.buf)
+                    part.buf = None
+                    self._queue_cv.notify_all()
                 f.cond.notify_all()
+        elif f.part_hashed and self.fsync:
+            disk.start_writeback(f.fd, part.start, part.length)
         if f.part_hashed:
             self._part_verified(f, part)
 
@@ -450,9 +455,13 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
     def _part_verified(self, f: _File, part: _Part) -> None:
         with self._lock:
             part.verified = part.ready = True
+            last = not f.finishing and f.complete()
+            f.finishing = f.finishing or last
             f.cond.notify_all()
             self._queue_cv.notify_all()
         self.listener.part_verified(f.entry.name, part.start // self.manifest.part_size)
+        if last:
+            self._parts_landed(f)
 
     def _part_mismatch(self, f: _File, part: _Part, sources: set[ServerURL], unknown: bool) -> bool:
         """A part's bytes failed its sha256: they are thrown away and the part fetched again. Its only source

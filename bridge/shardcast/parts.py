@@ -38,6 +38,7 @@ class _File:
         self.mismatches = 0
         self.verified = False
         self.hashing = False
+        self.finishing = False  # a file with part hashes: its last part is checked, it is being landed
         # the manifest's sha256 of each part (`bridge.shardcast.manifest`): every part is then exactly one
         # of them, checked on its own as it lands, and only checked parts count as landed
         self.part_hashed = bool(entry.parts)
@@ -48,14 +49,9 @@ class _File:
             self.dfd = None
 
     def prefix(self) -> int:
-        """Bytes landed contiguously from the start of the file (with part hashes: in checked parts only)."""
+        """Bytes landed contiguously from the start of the file (a file without part hashes)."""
         end = 0
         for part in self.parts:
-            if self.part_hashed:
-                if not part.verified:
-                    return part.start
-                end = part.start + part.length
-                continue
             end = part.start + part.done
             if part.done < part.length:
                 break

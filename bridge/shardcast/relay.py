@@ -344,7 +344,6 @@ async def serve_relay(
         fsync=False,
         direct_io=False,
         mirror_deltas=True,
-        background_whole_check=True,
         **client_args,
     )
     if fsync:

@@ -43,7 +43,7 @@ class Arriving:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self.parts: dict[str, set[int]] = {}  # file name -> indices of the parts that match their sha256
-        self.files: set[str] = set()  # files (or delta files) that match their sha256 whole
+        self.files: set[str] = set()  # files (or delta files) verified: their sha256, or every part's
 
     def checked(self, name: str, start: int, count: int) -> bool:
         """Whether bytes `start`..`start + count - 1` of file `name` lie in checked parts (or a checked file)."""

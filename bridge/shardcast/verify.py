@@ -1,14 +1,11 @@
-"""A download's verification: one hashing thread per file follows what has landed and checks the sha256.
+"""A download's verification: one hashing thread per file without part hashes follows what has landed and
+checks the file's sha256.
 
 With direct I/O the hasher takes each part's pool buffer in file order; otherwise it hashes the contiguous
 prefix straight from the page cache through a memory map. A mismatch whose bytes all came from one server
 distrusts that server; with several sources the file is fetched again from one server at a time. A file with
-part hashes is hashed over its checked parts only (`_File.prefix`), so its bytes were already vouched for part
-by part: a mismatch of the whole means the manifest contradicts itself, and fails the fetch.
-
-`background_whole_check` (relays): the whole-file check of a file with part hashes runs at a lower CPU
-priority. It is the same check and still gates the version's landing (STABLE, and the relay's listing of it as
-complete), but what the relay serves meanwhile is checked part by part, so the transfer goes first.
+part hashes has no hasher: each part is checked as it lands (`download`), and the file is verified with its
+last part (`_parts_landed`).
 """
 
 from __future__ import annotations
@@ -25,16 +22,6 @@ from bridge.shardcast.parts import HASH_CHUNK, _File, _split
 
 log = logging.getLogger("shardcast.download")
 
-BACKGROUND_NICE = 10  # a background whole-file check gets about a tenth of a busy core's time
-
-
-def _yield_cpu() -> None:
-    """Lower the calling thread's CPU priority (Linux: the nice value of one thread); ignored elsewhere."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):
-        pass
-
 
 class Verification:
     """Mixin of `Download`: the hashing threads and what a mismatch does."""
@@ -44,8 +31,6 @@ class Verification:
         threading.Thread(target=self._hash, args=(f,), name=f"shardcast-hash-{f.entry.name}", daemon=True).start()
 
     def _hash(self, f: _File) -> None:
-        if self.background_whole_check and f.part_hashed:
-            _yield_cpu()
         try:
             if not (f.direct and self._hash_direct(f)):
                 self._hash_loop(f)  # a page-cache file, or a direct one that failed its check (fetched anew)
@@ -124,12 +109,24 @@ class Verification:
         with self._lock:
             if generation != f.generation or not f.complete():
                 return False
-            if digest == f.entry.sha256:
-                fd, f.fd = f.fd, None
-                f.close_direct()
-            else:
+            if digest != f.entry.sha256:
                 self._mismatch(f)
                 return False
+            fd, f.fd = f.fd, None
+            f.close_direct()
+        self._land_file(f, fd)
+        return True
+
+    def _parts_landed(self, f: _File) -> None:
+        """A file with part hashes whose last part was just checked: every byte is in a checked part, so the file
+        is verified; it is made durable and counts as landed."""
+        with self._lock:
+            fd, f.fd = f.fd, None
+            f.close_direct()
+        self._land_file(f, fd)
+
+    def _land_file(self, f: _File, fd: int | None) -> None:
+        """A verified file: fsync'd (with `fsync`), then counted as landed and reported."""
         if fd is not None:
             if self.fsync:
                 os.fsync(fd)
@@ -142,19 +139,10 @@ class Verification:
             self._landed += 1
             self._queue_cv.notify_all()
         self.listener.file_verified(f.entry.name)
-        return True
 
     def _mismatch(self, f: _File) -> None:
         """Called with the lock held: the file's bytes do not have the manifest's sha256."""
         f.mismatches += 1
-        if f.part_hashed:  # every part matched its own sha256: fetching again cannot help
-            self._error = FetchError(
-                f"version {self.version}, {f.entry.name}: every part matches its sha256 in the manifest but the "
-                "whole file does not match the file's sha256 (the manifest's hashes disagree, or the bytes "
-                "changed on this disk)"
-            )
-            self._queue_cv.notify_all()
-            return
         sources = sorted(f.sources, key=str)
         self._blame(f, sources, len(sources) == 1, f.entry.name, "sha256 mismatch")
         if f.mismatches > 2 * len(self.pool.servers) + 1:

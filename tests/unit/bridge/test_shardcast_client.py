@@ -480,6 +480,33 @@ def test_a_part_with_wrong_bytes_is_caught_at_the_part_and_taken_from_another_se
     assert result.received_bytes == sum(map(len, FILES.values())) + PART
 
 
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_version_with_part_hashes_is_hashed_once_not_again_whole(serve, tmp_path, monkeypatch, direct_io):
+    """Every byte of a version with part hashes is covered by its part's sha256, so the client hashes each byte
+    once (its part) and lands the version without a second pass over the whole files; the bytes are exact."""
+    server = serve(honest(manifest=parted_manifest()))
+    real, hashed = hashlib.sha256, [0]
+
+    class Counting:
+        def __init__(self, data=b""):
+            self.inner = real()
+            self.update(data)
+
+        def update(self, data):
+            hashed[0] += memoryview(data).nbytes
+            self.inner.update(data)
+
+        def hexdigest(self):
+            return self.inner.hexdigest()
+
+    monkeypatch.setattr(hashlib, "sha256", Counting)
+    client(server.url, buffer_bytes=PART, direct_io=direct_io).fetch(1, tmp_path)
+    monkeypatch.undo()
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    total = sum(map(len, FILES.values()))
+    assert total <= hashed[0] < total + (64 << 10), hashed[0]  # the parts, the manifest; not the files again
+
+
 def test_a_server_still_receiving_the_version_is_asked_for_checked_parts(serve, tmp_path):
     """A server that lists the version only under `partial`, serves its manifest and parts only to requests
     carrying X-Shardcast-Partial, and answers 503 the first time each part is asked for: the client fetches
