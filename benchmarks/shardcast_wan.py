@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from shardcast_delta_bytes import synthetic_versions  # noqa: E402
 
 from bridge.shardcast import delta  # noqa: E402
+from bridge.shardcast.manifest import PART_SIZE, hash_file_parts  # noqa: E402
 
 PY = sys.executable
 TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
@@ -165,12 +166,15 @@ def copy_version(src: Path, dest_root: Path) -> None:
 
 
 def stage(versions: list[Path], with_deltas: bool, staging: Path) -> None:
-    """Version 1 as the learner would export it: its files, with or without deltas against v0."""
+    """Version 1 as the learner would export it: its files with their part hashes (so relays pass each part on
+    as soon as it is checked), with or without deltas against v0."""
     staging.mkdir(parents=True)
     src = versions[1]
     manifest = json.loads((src / "manifest.json").read_text())
+    manifest["part_size"] = PART_SIZE
     for entry in manifest["files"]:
         shutil.copyfile(src / entry["name"], staging / entry["name"])
+        entry["sha256"], entry["parts"] = hash_file_parts(staging / entry["name"], PART_SIZE)
     if with_deltas:
         manifest["deltas"] = delta.write_deltas(staging, manifest["files"], [(0, versions[0])])
     (staging / "manifest.json").write_text(json.dumps(manifest))

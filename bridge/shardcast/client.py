@@ -14,8 +14,10 @@ its direct I/O buffers (`direct_io`, see `bridge.shardcast.direct`), allocated o
 Pipelining (`pipelined`, the default): a relay that is still receiving a version whose manifest has part
 hashes lists it under `partial` in `/versions` (old clients read only `versions`); this client counts such a
 relay as a holder, takes the manifest and each part from it with the `X-Shardcast-Partial` header (the relay
-holds the request until that part is checked, or answers 503), checks every part's sha256 as it lands and
-every file's sha256 at the end, so a version can reach a worker moments after it reaches the first relay.
+holds the request until that part is checked, or answers 503), checks every part's sha256 as it lands (a
+file whose parts all match is verified), so a version can reach a worker moments after it reaches the first
+relay. A fetch that waited for its version starts from the servers that answered the wait and asks the
+others in the background: on a 40 ms RTT link, asking every server again first would cost 80 ms per hop.
 
 Trust: every file is checked against the manifest, so no server can slip in bytes the manifest does not
 vouch for; the manifest itself is believed from the first server that offers it unless `manifest_sha256`
@@ -58,6 +60,7 @@ log = logging.getLogger("shardcast.client")
 MAX_LISTING_BYTES = 1 << 20
 MAX_POLL_S = 30.0
 LATE_S = 1.0
+GATHER_S = 0.05  # after a long-poll's first answer, how long the others may take to say they have it too
 MAX_PARTIAL_WAIT_S = 5.0  # how long a relay may hold a request for a part it is still receiving
 
 
@@ -187,8 +190,15 @@ class ShardcastClient:
         """The newest version a server offers that is newer than `after` (any version when None), waiting up to
         `timeout` seconds; every server is long-polled at once and the first to have one answers. With
         `pipelined`, a version a server is still receiving counts (`fetch` takes it part by part)."""
+        return max(v for vs in self.wait_for_offers(after, timeout).values() for v in vs)
+
+    def wait_for_offers(self, after: int | None = None, timeout: float = 600.0) -> dict[ServerURL, list[int]]:
+        """Like `wait_for_version`, but what the first server to offer a version newer than `after` offers (as
+        `offers` gives it), with any other server that answers within `GATHER_S` after it: handed to
+        `fetch(offers=...)`, it saves asking every server again before the fetch starts. WaitTimeout when none
+        does within `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        found: queue.Queue[int] = queue.Queue()
+        found: queue.Queue[tuple[ServerURL, list[int]]] = queue.Queue()
         stop = threading.Event()
         socks: set[socket.socket] = set()
         socks_lock = threading.Lock()
@@ -208,7 +218,7 @@ class ShardcastClient:
                     backoff = 0.1
                     newest = max(complete + partial, default=None)
                     if newest is not None and (after is None or newest > after):
-                        found.put(newest)
+                        found.put((server, sorted(set(complete) | set(partial))))
                         return
                 except ShardcastError as e:
                     if stop.is_set():
@@ -223,7 +233,16 @@ class ShardcastClient:
         for t in threads:
             t.start()
         try:
-            return found.get(timeout=max(0.0, timeout))
+            server, offered = found.get(timeout=max(0.0, timeout))
+            seen = {server: offered}
+            until = time.monotonic() + GATHER_S  # servers that got the version at about the same time
+            while len(seen) < len(self.servers) and (left := until - time.monotonic()) > 0:
+                try:
+                    server, offered = found.get(timeout=left)
+                except queue.Empty:
+                    break
+                seen[server] = offered
+            return seen
         except queue.Empty:
             errors = "; ".join(self.last_errors.get(s, f"{s}: nothing newer") for s in self.servers)
             raise WaitTimeout(f"no version newer than {after} within {timeout:.0f} s ({errors})") from None
@@ -247,12 +266,15 @@ class ShardcastClient:
         manifest_sha256: str | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         listener: FetchListener | None = None,
+        offers: dict[ServerURL, list[int]] | None = None,
     ) -> FetchResult:
         """Fetch `version` ("latest" or an int) into `out_root/v{version:06d}/` and return what happened.
 
         `wait`: seconds to wait for the version to be offered (0: fail at once if no server has it).
         A version already complete in `out_root` is returned without a transfer. `listener`: told of every
-        part and file checked as the download goes (a relay serves them before the version is complete)."""
+        part and file checked as the download goes (a relay serves them before the version is complete).
+        `offers`: what `wait_for_offers` returned just now; the fetch starts from the servers in it that offer
+        the version, without asking every server first (they are asked in the background, and join)."""
         out_root = Path(out_root)
         if version != "latest":
             version = check_version(version, "version")
@@ -265,7 +287,11 @@ class ShardcastClient:
                     if manifest_sha256 is None:
                         raise
                     log.warning("%s: fetching the pinned manifest's version in its place", e)
-        holders, version = self._locate(version, wait)
+        seen = {s: vs for s, vs in (offers or {}).items() if version in vs}
+        if seen:  # from `wait_for_offers`: fetch from them at once, the other servers are asked meanwhile
+            holders, partly = sorted(seen, key=str), True
+        else:
+            holders, version, partly = self._locate(version, wait)
         manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
         log.info(
@@ -294,6 +320,7 @@ class ShardcastClient:
             mirror_deltas=self.mirror_deltas,
             listener=listener,
             partial_wait=self.partial_wait if self.pipelined else None,
+            refresh_first=partly,
         )
         result = download.run()
         if not result.already_present:
@@ -308,18 +335,19 @@ class ShardcastClient:
             )
         return result
 
-    def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int]:
-        """The servers that offer `version` (resolving "latest"), waiting up to `wait` seconds for one."""
+    def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int, bool]:
+        """The servers that offer `version` (resolving "latest"), waiting up to `wait` seconds for one, and
+        whether they are only those that answered a wait (the others not asked again since)."""
         deadline = time.monotonic() + wait
+        listings, partly = self.offers(), False
         while True:
-            listings = self.offers()
             if version == "latest":
                 target = max((vs[-1] for vs in listings.values() if vs), default=None)
             else:
                 target = version
             holders = [s for s, vs in listings.items() if target is not None and target in vs]
             if holders:
-                return sorted(holders, key=str), target
+                return sorted(holders, key=str), target, partly
             left = deadline - time.monotonic()
             if left <= 0:
                 offered = {str(s): vs for s, vs in listings.items()}
@@ -334,11 +362,12 @@ class ShardcastClient:
             after = None if version == "latest" or version == 0 else version - 1
             if after is not None and newest is not None and newest >= version:
                 time.sleep(min(left, 0.5))  # it was offered but not by anyone right now: look again shortly
+                listings, partly = self.offers(), False
                 continue
-            try:
-                self.wait_for_version(after, left)
+            try:  # the answer is used as it is: asking every server again would cost round trips
+                listings, partly = self.wait_for_offers(after, left), True
             except WaitTimeout:
-                pass
+                listings, partly = self.offers(), False
 
     def _manifest(self, version: int, holders: list[ServerURL], pin: str | None) -> tuple[Manifest, set[ServerURL]]:
         """The version's manifest from the first holder (in pool order) that serves a valid one (the pinned

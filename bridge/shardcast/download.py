@@ -145,13 +145,16 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         bases_root: Path | None = None,
         listener: FetchListener | None = None,
         partial_wait: float | None = None,
+        refresh_first: bool = False,
     ):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
         fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
         `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
         has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them). `listener`: told of
         every checked part and file; `partial_wait`: with part hashes, also take parts from servers that are
-        still receiving the version, each waiting up to that many seconds for a part (None: never)."""
+        still receiving the version, each waiting up to that many seconds for a part (None: never);
+        `refresh_first`: `candidates` are the servers that answered a wait, so ask all servers who holds the
+        version as soon as the parts start (in the background), not `REFRESH_S` later."""
         self.manifest, self.version = manifest, manifest.version
         self.use_deltas = use_deltas and deltas.HAVE_ZSTD
         self.entries: list[FileEntry] = (list(manifest.deltas) if mirror_deltas else []) + list(manifest.files)
@@ -187,7 +190,7 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         self._landed = 0
         self._last_progress = time.monotonic()
         self._refresh_lock = threading.Lock()
-        self._last_refresh = time.monotonic()
+        self._last_refresh = float("-inf") if refresh_first else time.monotonic()
 
     # ---- the whole fetch ------------------------------------------------------------------------------
 
@@ -214,8 +217,7 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
                 shutil.rmtree(self.final)  # a leftover without STABLE is incomplete
             self._direct = self.buffers is not None and self.buffers.claim()
             try:
-                self._prepare()
-                self.listener.started(self.manifest, self.partial)
+                self._prepare()  # tells the listener it started
                 for f in self._files:
                     if f.verified:
                         self.listener.file_verified(f.entry.name)

@@ -23,6 +23,9 @@ class Resume:
         if journal is None and self.partial.exists():
             shutil.rmtree(self.partial)
         self.partial.mkdir(exist_ok=True)
+        # told before the rebuilds, so that a relay serves each delta file it mirrors as soon as it is checked,
+        # while it rebuilds the full files from it (`_rebuild_one`)
+        self.listener.started(self.manifest, self.partial)
         fresh = []
         part_bytes = min(self.part_bytes, self.buffers.size) if self._direct else self.part_bytes
         rebuilt = self._rebuild(journal) if self.use_deltas and self.manifest.deltas else set()

@@ -63,10 +63,13 @@ class Rebuild:
         """Fetch the delta (unless held already), rebuild `entry` from it and check the result's sha256."""
         mirrored = d.name in {e.name for e in self.entries}
         delta_path = self.partial / (d.name if mirrored else f".{d.name}")
+        t0 = time.monotonic()
         if d.name not in done and not self._fetch_verified(d, delta_path):
             return False
+        t1 = time.monotonic()
         if mirrored:
             done.add(d.name)
+            self.listener.file_verified(d.name)  # a relay serves it now, while it rebuilds the file from it
         base_file = self.bases_root / version_dirname(d.base) / entry.name
         out = self.partial / entry.name
         fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -95,6 +98,14 @@ class Rebuild:
                     base_file,
                 )
             return False
+        log.info(
+            "version %d, %s: rebuilt from %s (%.2f s to fetch the delta, %.2f s to rebuild and check the file)",
+            self.version,
+            entry.name,
+            d.name,
+            t1 - t0,
+            time.monotonic() - t1,
+        )
         return True
 
     def _fetch_verified(self, entry: FileEntry, path: Path) -> bool:

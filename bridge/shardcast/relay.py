@@ -215,15 +215,15 @@ class Mirror:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                latest = self.client.wait_for_version(self.newest, timeout=30.0)
+                seen = self.client.wait_for_offers(self.newest, timeout=30.0)
             except WaitTimeout as e:
                 self._report(str(e) if self.client.last_errors else None)
                 continue
             self._report(None)
-            offered = {v for vs in self.client.offers().values() for v in vs}
-            wanted = sorted(
-                {v for v in offered | {latest} if (self.newest is None or v > self.newest) and v not in self.skipped}
-            )[-self.keep :]
+            offered = {v for vs in seen.values() for v in vs}  # other upstreams' versions: on the next round
+            wanted = sorted({v for v in offered if (self.newest is None or v > self.newest) and v not in self.skipped})[
+                -self.keep :
+            ]
             if not wanted:  # only skipped versions are new: wait for another
                 self.stop.wait(1.0)
             for version in reversed(wanted):
@@ -231,7 +231,7 @@ class Mirror:
                     return
                 go, pin = self._pin(version)
                 if go:
-                    self._mirror(version, pin)
+                    self._mirror(version, pin, seen)
             _leftovers(self.root, self.newest)
 
     def _pin(self, version: int) -> tuple[bool, str | None]:
@@ -277,10 +277,11 @@ class Mirror:
                 log.info("the orchestrator answers again")
             self._pins_reported = problem
 
-    def _mirror(self, version: int, pin: str | None = None) -> None:
+    def _mirror(self, version: int, pin: str | None = None, seen: dict | None = None) -> None:
+        """Fetch `version` into the mirror; `seen`: what the upstream that answered the wait offers."""
         listener = self.listener(version) if self.listener is not None else None
         try:
-            result = self.client.fetch(version, self.root, manifest_sha256=pin, listener=listener)
+            result = self.client.fetch(version, self.root, manifest_sha256=pin, listener=listener, offers=seen)
             raw = (result.path / MANIFEST_FILE).read_bytes()
             manifest = parse_manifest(raw, str(result.path / MANIFEST_FILE), version=version)
         except (ShardcastError, OSError) as e:

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from bridge.shardcast import ShardcastClient
+from bridge.shardcast.disk import partial_dir
+from bridge.shardcast.download import FetchListener
 from bridge.shardcast.origin import serve_origin
 from bridge.shardcast.pool import ServerPool
 from bridge.shardcast.relay import serve_relay
@@ -146,6 +148,36 @@ def test_clients_with_and_without_the_base_in_one_fetch(servers, tmp_path):
     assert results["a"].rebuilt_files == 1 and results["b"].rebuilt_files == 0
     assert results["a"].received_bytes * 5 < full_size(published[2])  # the delta and config.json
     assert results["b"].received_bytes == full_size(published[2])
+
+
+def test_a_mirror_reports_each_delta_file_checked_before_it_rebuilds_from_it(servers, tmp_path):
+    """A relay's download (`mirror_deltas`) tells its listener that it started, and that a delta file it mirrors
+    is checked, before it rebuilds the full file from that delta: the relay serves the delta to its own clients
+    while it rebuilds, instead of after (a hop's rebuild is off the clients' path)."""
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "mirror"
+    client(origin.url).fetch(0, out)
+    rebuilt = partial_dir(out, 1) / "model.safetensors"
+    events = []
+
+    class Recorder(FetchListener):
+        def started(self, manifest, partial):
+            events.append("started")
+
+        def file_verified(self, name):
+            events.append((name, rebuilt.exists()))
+
+    result = client(origin.url, mirror_deltas=True).fetch(1, out, listener=Recorder())
+    for name, data in published[1].items():
+        assert (out / "v000001" / name).read_bytes() == data
+    assert result.rebuilt_files == 1
+    doc = json.loads((origin_dir / "v000001" / "manifest.json").read_bytes())
+    (delta_name,) = [d["name"] for d in doc["deltas"] if d["file"] == "model.safetensors"]
+    assert events[0] == "started"
+    assert (delta_name, False) in events  # reported before the rebuilt file was begun
+    assert events.index((delta_name, False)) < events.index(("model.safetensors", True))
 
 
 def test_a_client_that_holds_only_the_anchor_uses_the_anchor_delta(servers, tmp_path):

@@ -303,6 +303,44 @@ def test_wait_for_version_long_polls_every_server(serve, tmp_path):
         c.wait_for_version(after=5, timeout=1.0)
 
 
+def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, tmp_path):
+    """`fetch(1, wait=...)`: the version is not there, then a long-poll answers that it is. The manifest is
+    asked for next, not every server's listing first (a round trip per server and hop on a WAN); the other
+    servers are asked in the background once the parts start, and join."""
+    script = honest()
+    listed = {"now": b'{"latest": 0, "versions": [0]}'}
+
+    def appears(path, headers, conn):
+        if path.startswith("/versions"):
+            if "wait=" in path:
+                time.sleep(0.3)
+                listed["now"] = b'{"latest": 1, "versions": [0, 1]}'
+            conn.sendall(response(200, listed["now"]))
+        else:
+            script(path, headers, conn)
+
+    first, second = serve(appears), serve(script)
+    result = client(first.url).fetch(1, tmp_path, wait=10)
+    assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
+    paths = [p for p, _ in first.requests]
+    manifest_at = paths.index("/v/1/manifest.json")
+    assert "wait=" in paths[manifest_at - 1], paths  # the long-poll's answer, then straight to the manifest
+    assert result.servers[first.url]["bytes"] > 0
+
+    def soon(path, headers, conn):
+        time.sleep(0.3)
+        conn.sendall(response(200, b'{"latest": 1, "versions": [0, 1]}'))
+
+    a, b = serve(soon), serve(soon)  # two servers that get the version at the same moment: both are holders
+    got = client(f"{a.url},{b.url}").wait_for_offers(after=0, timeout=10)
+    assert got == {parse_server_url(a.url): [0, 1], parse_server_url(b.url): [0, 1]}
+
+    c = client(f"{first.url},{second.url}", parallel=1)  # offers from a wait: the other server joins the fetch
+    c.fetch(1, tmp_path / "b", offers={parse_server_url(first.url): [0, 1]})
+    assert (tmp_path / "b" / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert any(p.startswith("/versions") for p, _ in second.requests), second.requests
+
+
 @pytest.mark.parametrize("use_splice", [True, False] if HAVE_SPLICE else [False])
 def test_receive_into_file_at_an_offset(serve, tmp_path, use_splice):
     server = serve(lambda path, headers, conn: conn.sendall(response(200, DATA)))
