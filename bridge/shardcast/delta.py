@@ -120,6 +120,8 @@ def apply_delta(
     delta is broken, or it or the base is not `size` bytes long."""
     if zstandard is None:
         raise DeltaError("the zstandard module is not installed")
+    import numpy as np
+
     digest = hashlib.sha256()
     pos = 0
     try:
@@ -127,23 +129,27 @@ def apply_delta(
             if os.fstat(fb.fileno()).st_size != size:
                 raise DeltaError(f"{base}: {os.fstat(fb.fileno()).st_size} bytes, expected {size}")
             reader = zstandard.ZstdDecompressor().stream_reader(fd, read_across_frames=False)
+            xor, block = bytearray(CHUNK), bytearray(CHUNK)  # XORed into the base's block in place: no copies
             while pos < size:
                 want = min(CHUNK, size - pos)
-                block = bytearray()
-                while len(block) < want:
-                    got = reader.read(want - len(block))
-                    if not got:
-                        raise DeltaError(f"{delta}: ends after {pos + len(block)} of {size} bytes")
-                    block += got
-                other = fb.read(want)
-                if len(other) != want:
-                    raise DeltaError(f"{base}: shorter than {size} bytes")
-                data = _xor(block, other)
-                digest.update(data)
-                view, at = memoryview(data), pos
-                while view:
-                    n = os.pwrite(out_fd, view, at)
-                    view, at = view[n:], at + n
+                got = 0
+                with memoryview(xor) as into:
+                    while got < want:
+                        n = reader.readinto(into[got:want])
+                        if not n:
+                            raise DeltaError(f"{delta}: ends after {pos + got} of {size} bytes")
+                        got += n
+                with memoryview(block) as into:
+                    if fb.readinto(into[:want]) != want:
+                        raise DeltaError(f"{base}: shorter than {size} bytes")
+                data = np.frombuffer(block, np.uint8, want)
+                np.bitwise_xor(data, np.frombuffer(xor, np.uint8, want), out=data)
+                with memoryview(block)[:want] as view:
+                    digest.update(view)
+                    at, left = pos, view
+                    while left:
+                        n = os.pwrite(out_fd, left, at)
+                        left, at = left[n:], at + n
                 if on_written is not None:
                     on_written(pos, want)
                 pos += want
