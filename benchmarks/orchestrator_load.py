@@ -460,6 +460,7 @@ async def _run_load(
         rec, stop = Recorder(), asyncio.Event()
         gc.collect()
         gc.freeze()  # the simulated nodes' own full collections would show as the server's latency
+        gc.set_threshold(10_000, 20, 1000)  # and so would their frequent young ones (4.6 s in a minute)
         tasks = [asyncio.create_task(t) for t in make(rec, stop)]
         await asyncio.sleep(warmup)
         rec.recording = True
