@@ -9,6 +9,9 @@ Side by side in the same run, the reference: the same N clients sending one unsi
 each to the same server (no signature, no database): the floor set by the HTTP stack and this machine. The
 service's target is p99 < 100 ms with zero errors at 1,000 nodes on a 2-core machine.
 
+The load generator runs on uvloop, with its long-lived objects frozen out of the garbage collector and fewer
+young-generation collections: its own pauses would otherwise show as the server's latency.
+
 The server runs with its default connection limits (orchestrator/server.py), so the simulated nodes come from
 many loopback addresses (127.0.1.x, `--nodes-per-address` each), as nodes on the internet do.
 
