@@ -292,7 +292,14 @@ class ShardcastClient:
             holders, partly = sorted(seen, key=str), True
         else:
             holders, version, partly = self._locate(version, wait)
-        manifest, impostors = self._manifest(version, holders, manifest_sha256)
+        try:
+            manifest, impostors = self._manifest(version, holders, manifest_sha256)
+        except FetchError as e:
+            if not partly:
+                raise
+            log.info("%s; asking every server", e)  # those that answered the wait: none had a good manifest
+            holders, partly = sorted({s for s, vs in self.offers().items() if version in vs}, key=str), False
+            manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
         log.info(
             "fetching %s (%d files, %.1f MiB) from %s",

@@ -340,6 +340,14 @@ def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, 
     assert (tmp_path / "b" / "v000001" / "model.safetensors").read_bytes() == DATA
     assert any(p.startswith("/versions") for p, _ in second.requests), second.requests
 
+    # the only server that answered the wait offers another manifest than the pinned one: every server is asked
+    liar = serve(honest(files=dict(FILES, **{"config.json": b"{}"})))
+    pin = hashlib.sha256(manifest_bytes()).hexdigest()
+    c = client(f"{liar.url},{second.url}")
+    c.fetch(1, tmp_path / "c", manifest_sha256=pin, offers={parse_server_url(liar.url): [1]})
+    assert (tmp_path / "c" / "v000001" / "model.safetensors").read_bytes() == DATA
+    assert not any(p.endswith(".safetensors") for p, _ in liar.requests)
+
 
 @pytest.mark.parametrize("use_splice", [True, False] if HAVE_SPLICE else [False])
 def test_receive_into_file_at_an_offset(serve, tmp_path, use_splice):
