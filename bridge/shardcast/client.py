@@ -182,6 +182,10 @@ class ShardcastClient:
             pool.shutdown(wait=False, cancel_futures=True)
         return found
 
+    def _holders(self, version: int) -> set[ServerURL]:
+        """The servers that answer and offer `version` (complete, or arriving with `pipelined`)."""
+        return {s for s, vs in self.offers().items() if version in vs}
+
     def latest(self) -> int | None:
         """The newest version any server offers (None when none offers anything)."""
         return max((v[-1] for v in self.versions().values() if v), default=None)
@@ -190,11 +194,13 @@ class ShardcastClient:
         """The newest version a server offers that is newer than `after` (any version when None), waiting up to
         `timeout` seconds; every server is long-polled at once and the first to have one answers. With
         `pipelined`, a version a server is still receiving counts (`fetch` takes it part by part)."""
-        return max(v for vs in self.wait_for_offers(after, timeout).values() for v in vs)
+        return max(v for vs in self.wait_for_offers(after, timeout, gather=0.0).values() for v in vs)
 
-    def wait_for_offers(self, after: int | None = None, timeout: float = 600.0) -> dict[ServerURL, list[int]]:
+    def wait_for_offers(
+        self, after: int | None = None, timeout: float = 600.0, gather: float = GATHER_S
+    ) -> dict[ServerURL, list[int]]:
         """Like `wait_for_version`, but what the first server to offer a version newer than `after` offers (as
-        `offers` gives it), with any other server that answers within `GATHER_S` after it: handed to
+        `offers` gives it), with any other server that answers within `gather` seconds after it: handed to
         `fetch(offers=...)`, it saves asking every server again before the fetch starts. WaitTimeout when none
         does within `timeout` seconds."""
         deadline = time.monotonic() + timeout
@@ -235,7 +241,7 @@ class ShardcastClient:
         try:
             server, offered = found.get(timeout=max(0.0, timeout))
             seen = {server: offered}
-            until = time.monotonic() + GATHER_S  # servers that got the version at about the same time
+            until = time.monotonic() + gather  # servers that got the version at about the same time
             while len(seen) < len(self.servers) and (left := until - time.monotonic()) > 0:
                 try:
                     server, offered = found.get(timeout=left)
@@ -298,7 +304,7 @@ class ShardcastClient:
             if not partly:
                 raise
             log.info("%s; asking every server", e)  # those that answered the wait: none had a good manifest
-            holders, partly = sorted({s for s, vs in self.offers().items() if version in vs}, key=str), False
+            holders, partly = sorted(self._holders(version), key=str), False
             manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
         log.info(
@@ -313,7 +319,7 @@ class ShardcastClient:
             root=out_root,
             pool=self.pool,
             candidates=set(sources),
-            refresh=lambda: {s for s, vs in self.offers().items() if version in vs} - impostors,
+            refresh=lambda: self._holders(version) - impostors,
             timeout=self.timeout,
             patience=self.patience,
             parallel=self.parallel,

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from bridge.shardcast import FetchError, ShardcastClient, WaitTimeout
-from bridge.shardcast import client as shardcast_client
 from bridge.shardcast.names import parse_server_url
 from bridge.shardcast.transfer import HAVE_SPLICE, TransferError, get_json, open_get, receive_into_file
 
@@ -304,7 +303,7 @@ def test_wait_for_version_long_polls_every_server(serve, tmp_path):
         c.wait_for_version(after=5, timeout=1.0)
 
 
-def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, tmp_path, monkeypatch):
+def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, tmp_path):
     """`fetch(1, wait=...)`: the version is not there, then a long-poll answers that it is. The manifest is
     asked for next, not every server's listing first (a round trip per server and hop on a WAN); the other
     servers are asked in the background once the parts start, and join."""
@@ -333,8 +332,7 @@ def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, 
         conn.sendall(response(200, b'{"latest": 1, "versions": [0, 1]}'))
 
     a, b = serve(soon), serve(soon)  # two servers that get the version at the same moment: both are holders
-    monkeypatch.setattr(shardcast_client, "GATHER_S", 5.0)  # "the same moment" on a loaded test machine
-    got = client(f"{a.url},{b.url}").wait_for_offers(after=0, timeout=10)
+    got = client(f"{a.url},{b.url}").wait_for_offers(after=0, timeout=10, gather=5.0)  # a loaded test machine
     assert got == {parse_server_url(a.url): [0, 1], parse_server_url(b.url): [0, 1]}
 
     c = client(f"{first.url},{second.url}", parallel=1)  # offers from a wait: the other server joins the fetch
