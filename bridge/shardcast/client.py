@@ -30,6 +30,7 @@ holder, and a version held locally under another manifest is replaced.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import os
 import queue
@@ -206,20 +207,26 @@ class ShardcastClient:
         deadline = time.monotonic() + timeout
         found: queue.Queue[tuple[ServerURL, list[int]]] = queue.Queue()
         stop = threading.Event()
-        socks: set[socket.socket] = set()
+        in_flight: dict[ServerURL, socket.socket] = {}  # the long-polls to cut short when the wait is over
         socks_lock = threading.Lock()
 
-        def register(sock: socket.socket) -> None:
+        def register(server: ServerURL, sock: socket.socket) -> None:
             with socks_lock:
                 if stop.is_set():
                     raise OSError("the wait is over")
-                socks.add(sock)
+                in_flight[server] = sock
 
         def poll(server: ServerURL) -> None:
             backoff = 0.1
             while not stop.is_set() and (left := deadline - time.monotonic()) > 0:
                 try:
-                    complete, partial = self._listing(server, after, min(left, MAX_POLL_S), on_open=register)
+                    try:
+                        complete, partial = self._listing(
+                            server, after, min(left, MAX_POLL_S), on_open=functools.partial(register, server)
+                        )
+                    finally:
+                        with socks_lock:  # its socket is kept alive for the next request, or closed
+                            in_flight.pop(server, None)
                     self.last_errors.pop(server, None)
                     backoff = 0.1
                     newest = max(complete + partial, default=None)
@@ -255,7 +262,7 @@ class ShardcastClient:
         finally:
             with socks_lock:
                 stop.set()
-                for sock in socks:
+                for sock in in_flight.values():
                     try:
                         sock.shutdown(socket.SHUT_RDWR)
                     except OSError:

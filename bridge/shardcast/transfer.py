@@ -5,6 +5,13 @@ the GIL released) where the platform has it, and with `recv_into` + `pwrite` els
 bounded: a server that does not connect, answer, or deliver at least `STALL_BYTES` within `timeout` seconds
 is given up with a `TransferError` naming it, and bodies are length-checked (`Content-Length` required,
 size limits for JSON), so a hostile or broken server costs a time-out, never a hang or unbounded memory.
+
+Connections are kept alive: a response whose body was read to its last byte gives its socket back to a small
+per-server pool (at most `IDLE_PER_SERVER` sockets, each reused within `IDLE_S` seconds), and the next request
+to that server takes it instead of opening a new one. Over a WAN that saves the TCP handshake (a round trip)
+per request: the manifest and the files follow a long-poll on the long-poll's connection. A pooled socket
+that the server has closed meanwhile is noticed before or as it is reused, and the request is sent again on a
+new connection (every request here is an idempotent GET).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import json
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +34,8 @@ from bridge.shardcast.names import ServerURL
 HEAD_LIMIT = 64 << 10
 STALL_BYTES = 1 << 20  # a transfer must move this much per `timeout` seconds, or it is stalled
 PIPE_BYTES = 1 << 20
+IDLE_S = 10.0  # a kept-alive socket idle for longer is closed, not reused (servers close theirs after 15 s)
+IDLE_PER_SERVER = 8
 HAVE_SPLICE = hasattr(os, "splice")
 _F_SETPIPE_SZ = 1031
 
@@ -37,15 +47,78 @@ class Response:
     headers: http.client.HTTPMessage
     sock: socket.socket
     leftover: bytes  # body bytes that arrived with the head
+    keep_alive: bool = False  # the server keeps the connection open after this answer
+    received: int = 0  # body bytes consumed (from `leftover`, then from the socket)
 
     def close(self) -> None:
-        self.sock.close()
+        """Done with the answer: its socket goes back to the pool if its body was read exactly to its end and
+        the server keeps the connection, and is closed otherwise."""
+        length = self.headers.get("Content-Length", "")
+        whole = length.isdigit() and self.received == int(length) and len(self.leftover) <= self.received
+        if self.keep_alive and whole:
+            _IDLE.give(self.server, self.sock)
+        else:
+            self.sock.close()
 
     def content_length(self) -> int:
         value = self.headers.get("Content-Length", "")
         if not value.isdigit():
             raise TransferError(self.server, f"answer without a valid Content-Length ({value!r})")
         return int(value)
+
+
+class _IdleSockets:
+    """Kept-alive sockets by server, newest last."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+
+    def take(self, server: ServerURL) -> socket.socket | None:
+        """A pooled socket to `server` that is still open and quiet, or None."""
+        now = time.monotonic()
+        while True:
+            with self._lock:
+                held = self._idle.get((server.host, server.port))
+                if not held:
+                    return None
+                sock, since = held.pop()
+            if now - since < IDLE_S and _quiet(sock):
+                return sock
+            sock.close()
+
+    def give(self, server: ServerURL, sock: socket.socket) -> None:
+        with self._lock:
+            held = self._idle.setdefault((server.host, server.port), [])
+            held.append((sock, time.monotonic()))
+            extra = held[:-IDLE_PER_SERVER]
+            del held[:-IDLE_PER_SERVER]
+        for old, _ in extra:
+            old.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            held = [s for pairs in self._idle.values() for s, _ in pairs]
+            self._idle.clear()
+        for sock in held:
+            sock.close()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """Whether an idle socket is still usable: open, and nothing to read (a closed connection reads as EOF)."""
+    if sock.fileno() < 0:
+        return False
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI)
+    return not poller.poll(0)
+
+
+_IDLE = _IdleSockets()
+
+
+def close_idle() -> None:
+    """Close every kept-alive socket (tests, and a process that is done fetching)."""
+    _IDLE.clear()
 
 
 def open_get(
@@ -57,25 +130,47 @@ def open_get(
     wait: float = 0.0,
     on_open: Callable[[socket.socket], None] | None = None,
 ) -> Response:
-    """Send `GET path` and read the response head; `wait` extends the head's deadline (long-polls)."""
+    """Send `GET path` and read the response head; `wait` extends the head's deadline (long-polls). A kept-alive
+    socket to `server` is used if the pool holds one (and the request sent again on a new one if the server
+    had closed it)."""
+    sock = _IDLE.take(server)
+    if sock is not None:
+        try:
+            return _request(server, sock, path, timeout, headers, wait, on_open)
+        except _Stale:
+            pass
     try:
         sock = socket.create_connection((server.host, server.port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError as e:
         raise TransferError(server, f"cannot connect ({e})") from e
     try:
+        return _request(server, sock, path, timeout, headers, wait, on_open)
+    except _Stale as e:
+        raise TransferError(server, str(e.__cause__ or "connection closed before a response head")) from None
+
+
+class _Stale(Exception):
+    """A connection that failed before any byte of an answer came back (a reused one: send it again)."""
+
+
+def _request(server, sock, path, timeout, headers, wait, on_open) -> Response:
+    buf = bytearray()
+    try:
         if on_open is not None:
             on_open(sock)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         lines = [
             f"GET {server.path(path)} HTTP/1.1",
             f"Host: {server.host}:{server.port}",
-            "Connection: close",
             "User-Agent: intellect-shardcast",
         ]
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        sock.settimeout(timeout)
+        try:
+            sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        except OSError as e:
+            raise _Stale() from e
         deadline = time.monotonic() + timeout + wait
-        buf = bytearray()
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > HEAD_LIMIT:
                 raise TransferError(server, f"response head longer than {HEAD_LIMIT} bytes")
@@ -87,7 +182,13 @@ def open_get(
                 chunk = sock.recv(65536)
             except TimeoutError:
                 continue  # the deadline check above reports it
+            except ConnectionError as e:
+                if not buf:
+                    raise _Stale() from e
+                raise
             if not chunk:
+                if not buf:
+                    raise _Stale()
                 raise TransferError(server, "connection closed before a response head")
             buf += chunk
         sock.settimeout(timeout)
@@ -96,8 +197,9 @@ def open_get(
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise TransferError(server, f"not an HTTP/1.x response: {status_line[:80]!r}")
         message = http.client.parse_headers(io.BytesIO(header_block + b"\r\n\r\n"))
-        return Response(server, int(parts[1]), message, sock, bytes(buf[end + 4 :]))
-    except TransferError:
+        keep = parts[0] == b"HTTP/1.1" and "close" not in message.get("Connection", "").lower()
+        return Response(server, int(parts[1]), message, sock, bytes(buf[end + 4 :]), keep_alive=keep)
+    except (TransferError, _Stale):
         sock.close()
         raise
     except (OSError, http.client.HTTPException) as e:
@@ -127,6 +229,7 @@ def read_body(resp: Response, limit: int, timeout: float) -> bytes:
             body += chunk
     except OSError as e:
         raise TransferError(resp.server, f"reading the answer failed ({e})") from e
+    resp.received = length
     return bytes(body)
 
 
@@ -226,6 +329,7 @@ def receive_into_file(
             _copy_loop(resp, fd, offset, remaining, stall, progress)
     except OSError as e:
         raise TransferError(resp.server, f"transfer broke off ({e})") from e
+    resp.received = count
 
 
 def _splice_loop(resp, fd, offset, remaining, stall, progress) -> None:
@@ -307,3 +411,4 @@ def receive_into_buffer(resp: Response, view: memoryview, *, timeout: float, pro
             progress(n)
     except OSError as e:
         raise TransferError(resp.server, f"transfer broke off ({e})") from e
+    resp.received = count

@@ -363,6 +363,28 @@ def test_retention_spares_a_version_a_client_is_fetching(cluster, tmp_path):
     assert waiter.result()["version"] == 3
 
 
+def test_the_origin_keeps_a_connection_for_the_next_request(cluster, tmp_path):
+    """The client's kept-alive socket (bridge.shardcast.transfer) against the real server: the listing, then the
+    version's manifest, on one socket."""
+    from bridge.shardcast.names import parse_server_url
+    from bridge.shardcast.transfer import close_idle, open_get, read_body
+
+    publish(tmp_path / "weights", 1, {"a.bin": b"hello" * 1000})
+    url = parse_server_url(cluster.origin(tmp_path / "weights"))
+    close_idle()
+    first = open_get(url, "/versions", timeout=10)
+    port = first.sock.getsockname()[1]
+    assert json.loads(read_body(first, 1 << 16, timeout=10))["versions"] == [1]
+    first.close()
+    second = open_get(url, "/v/1/manifest.json", timeout=10)
+    try:
+        assert second.status == 200
+        assert second.sock.getsockname()[1] == port
+    finally:
+        second.close()
+        close_idle()
+
+
 # ---- a hostile client against a real origin --------------------------------------------------------------
 
 
