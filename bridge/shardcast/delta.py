@@ -18,11 +18,13 @@ file (chosen over changed-index/value runs by `benchmarks/shardcast_delta_bytes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import BinaryIO
 
 from bridge.shardcast.errors import ShardcastError
 from bridge.shardcast.names import MANIFEST_FILE, STABLE_FILE, parse_version_dirname, version_dirname
@@ -113,11 +115,16 @@ def encode_delta(base: Path, target: Path, out: Path, level: int = LEVEL, thread
 
 
 def apply_delta(
-    base: Path, delta: Path, out_fd: int, size: int, on_written: Callable[[int, int], None] | None = None
+    base: Path,
+    delta: Path | BinaryIO,
+    out_fd: int,
+    size: int,
+    on_written: Callable[[int, int], None] | None = None,
 ) -> str:
     """Write base XOR unzstd(delta) (`size` bytes) to `out_fd` from offset 0, streaming; returns its sha256.
-    `on_written(offset, length)` after each block is written (to start its writeback). DeltaError when the
-    delta is broken, or it or the base is not `size` bytes long."""
+    `delta` is a file, or an object whose `read(n)` gives its next bytes (b"" at its end): a delta still
+    arriving is applied as it arrives. `on_written(offset, length)` after each block is written (to start its
+    writeback). DeltaError when the delta is broken, or it or the base is not `size` bytes long."""
     if zstandard is None:
         raise DeltaError("the zstandard module is not installed")
     import numpy as np
@@ -125,7 +132,8 @@ def apply_delta(
     digest = hashlib.sha256()
     pos = 0
     try:
-        with open(base, "rb") as fb, open(delta, "rb") as fd:
+        source = open(delta, "rb") if isinstance(delta, (str, os.PathLike)) else contextlib.nullcontext(delta)
+        with open(base, "rb") as fb, source as fd:
             if os.fstat(fb.fileno()).st_size != size:
                 raise DeltaError(f"{base}: {os.fstat(fb.fileno()).st_size} bytes, expected {size}")
             reader = zstandard.ZstdDecompressor().stream_reader(fd, read_across_frames=False)

@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bridge.shardcast import ShardcastClient
-from bridge.shardcast.disk import partial_dir
+from bridge.shardcast import ShardcastClient, delta
 from bridge.shardcast.download import FetchListener
 from bridge.shardcast.origin import serve_origin
 from bridge.shardcast.pool import ServerPool
 from bridge.shardcast.relay import serve_relay
+from bridge.shardcast.server import ShardcastServer
 
 pytest.importorskip("zstandard")
 
@@ -150,34 +150,86 @@ def test_clients_with_and_without_the_base_in_one_fetch(servers, tmp_path):
     assert results["b"].received_bytes == full_size(published[2])
 
 
-def test_a_mirror_reports_each_delta_file_checked_before_it_rebuilds_from_it(servers, tmp_path):
+def test_a_mirror_reports_each_delta_file_checked_before_its_rebuild_is_done(servers, tmp_path, monkeypatch):
     """A relay's download (`mirror_deltas`) tells its listener that it started, and that a delta file it mirrors
-    is checked, before it rebuilds the full file from that delta: the relay serves the delta to its own clients
-    while it rebuilds, instead of after (a hop's rebuild is off the clients' path)."""
+    is checked, before the rebuild of the full file from that delta is done: the relay serves the delta to its
+    own clients while it rebuilds, instead of after (a hop's rebuild is off the clients' path). The rebuild
+    here holds its result until the delta has been reported (for at most 10 s)."""
     origin_dir = tmp_path / "origin"
     published = versions(origin_dir, 2)
     origin = servers(serve_origin, origin_dir)
     out = tmp_path / "mirror"
     client(origin.url).fetch(0, out)
-    rebuilt = partial_dir(out, 1) / "model.safetensors"
-    events = []
+    doc = json.loads((origin_dir / "v000001" / "manifest.json").read_bytes())
+    (delta_name,) = [d["name"] for d in doc["deltas"] if d["file"] == "model.safetensors"]
+    events, reported, waits = [], threading.Event(), []
+    real_apply = delta.apply_delta
+
+    def apply_then_wait(*args, **kwargs):
+        digest = real_apply(*args, **kwargs)
+        waits.append(reported.wait(10.0))
+        return digest
+
+    monkeypatch.setattr(delta, "apply_delta", apply_then_wait)
 
     class Recorder(FetchListener):
         def started(self, manifest, partial):
             events.append("started")
 
         def file_verified(self, name):
-            events.append((name, rebuilt.exists()))
+            events.append(name)
+            if name == delta_name:
+                reported.set()
 
     result = client(origin.url, mirror_deltas=True).fetch(1, out, listener=Recorder())
     for name, data in published[1].items():
         assert (out / "v000001" / name).read_bytes() == data
     assert result.rebuilt_files == 1
-    doc = json.loads((origin_dir / "v000001" / "manifest.json").read_bytes())
-    (delta_name,) = [d["name"] for d in doc["deltas"] if d["file"] == "model.safetensors"]
+    assert waits == [True]  # the delta was reported while its rebuild was still going
     assert events[0] == "started"
-    assert (delta_name, False) in events  # reported before the rebuilt file was begun
-    assert events.index((delta_name, False)) < events.index(("model.safetensors", True))
+    assert events.index(delta_name) < events.index("model.safetensors")
+
+
+def test_the_rebuild_reads_the_delta_while_it_is_still_arriving(servers, tmp_path, monkeypatch):
+    """The origin sends the first half of the delta, then holds the rest until the client's rebuild has read
+    some of it (at most 10 s): a rebuild that started only once the whole delta was in would keep it waiting.
+    The version still lands byte for byte."""
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    read_early, held = threading.Event(), []
+    real_apply, real_send = delta.apply_delta, ShardcastServer._send
+
+    def apply_recording(base, source, *args, **kwargs):
+        if hasattr(source, "read"):
+            real_read = source.read
+
+            def read(n=-1):
+                data = real_read(n)
+                if data:
+                    read_early.set()
+                return data
+
+            source.read = read
+        return real_apply(base, source, *args, **kwargs)
+
+    async def send_in_two(self, request, resp, f, offset, count):
+        if not request.path.endswith(".xzst") or count < 2:
+            return await real_send(self, request, resp, f, offset, count)
+        half = count // 2
+        await real_send(self, request, resp, f, offset, half)
+        await resp.drain()
+        held.append(await asyncio.get_running_loop().run_in_executor(None, read_early.wait, 10.0))
+        await real_send(self, request, resp, f, offset + half, count - half)
+
+    monkeypatch.setattr(delta, "apply_delta", apply_recording)
+    monkeypatch.setattr(ShardcastServer, "_send", send_in_two)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "client"
+    client(origin.url).fetch(0, out)
+    result = client(origin.url).fetch(1, out)
+    landed(out, 1, published[1])
+    assert result.rebuilt_files == 1
+    assert held == [True]
 
 
 def test_a_client_that_holds_only_the_anchor_uses_the_anchor_delta(servers, tmp_path):
