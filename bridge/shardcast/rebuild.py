@@ -83,10 +83,12 @@ class Rebuild:
             elif (applier := self._fetch_verified(d, delta_path, rebuild)) is None:
                 return False
             t1 = time.monotonic()
-            if mirrored:
-                done.add(d.name)
-                self.listener.file_verified(d.name)  # a relay serves it now, while it finishes the file from it
-            digest = applier.finish(True)
+            try:
+                if mirrored:
+                    done.add(d.name)
+                    self.listener.file_verified(d.name)  # a relay serves it now, while it finishes the file from it
+            finally:
+                digest = applier.finish(True)
             if isinstance(digest, Exception):
                 log.warning(
                     "version %d, %s: cannot rebuild from %s (%s); fetching it in full",
