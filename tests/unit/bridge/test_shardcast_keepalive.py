@@ -70,35 +70,23 @@ class KeepAliveServer:
         self.sock.close()
 
 
-def test_requests_to_one_server_share_a_connection():
-    server = KeepAliveServer()
+@pytest.mark.parametrize(
+    "server_kwargs, connections",
+    [
+        ({}, 1),  # kept alive: one connection carries every request
+        ({"answers_per_connection": 1, "close_on": "answer"}, 3),  # closed after each answer: replaced
+        # the pooled socket looks healthy when taken, and the server closes it on the request (a keep-alive
+        # time-out racing the request): the request goes out again on a new connection
+        ({"answers_per_connection": 1, "close_on": "request"}, 3),
+    ],
+    ids=["kept-alive", "closed-after-answering", "closed-as-the-request-arrives"],
+)
+def test_requests_share_a_connection_and_a_closed_one_is_replaced(server_kwargs, connections):
+    server = KeepAliveServer(**server_kwargs)
     try:
         for n in (10, 70_000, 5):
             assert get_bytes(server.url, f"/{n}", timeout=5, limit=1 << 20) == b"x" * n
-        assert (server.requests, server.connections) == (3, 1)
-    finally:
-        server.close()
-
-
-def test_a_connection_the_server_closed_after_answering_is_replaced():
-    server = KeepAliveServer(answers_per_connection=1, close_on="answer")
-    try:
-        for n in (10, 20, 30):
-            assert get_bytes(server.url, f"/{n}", timeout=5, limit=1 << 20) == b"x" * n
-        assert (server.requests, server.connections) == (3, 3)
-    finally:
-        server.close()
-
-
-def test_a_request_on_a_connection_closed_as_it_arrives_is_sent_again():
-    """The pooled socket looks healthy when taken; the server closes it on the request (a keep-alive time-out
-    racing the request): the request goes out again on a new connection."""
-    server = KeepAliveServer(answers_per_connection=1, close_on="request")
-    try:
-        for n in (10, 20, 30):
-            assert get_bytes(server.url, f"/{n}", timeout=5, limit=1 << 20) == b"x" * n
-        assert server.requests == 3
-        assert server.connections == 3
+        assert (server.requests, server.connections) == (3, connections)
     finally:
         server.close()
 
