@@ -171,7 +171,11 @@ class Rebuild:
                         os.close(fd)
                 finally:
                     resp.close()
-            except BaseException as e:
+                self.pool.record(server, True, entry.size, time.monotonic() - t0)
+                if _sha256_file(path) == entry.sha256:
+                    return applier
+                applier.finish(False)  # below: the server is distrusted
+            except BaseException as e:  # a rebuild still running never outlives its attempt
                 if applier is not None:
                     applier.finish(False)
                 if not isinstance(e, TransferError):
@@ -182,15 +186,6 @@ class Rebuild:
                     self._last_error[server] = str(e)
                 log.info("version %d, %s: %s", self.version, entry.name, e)
                 continue
-            self.pool.record(server, True, entry.size, time.monotonic() - t0)
-            good = False
-            try:
-                good = _sha256_file(path) == entry.sha256
-            finally:
-                if not good:
-                    applier.finish(False)
-            if good:
-                return applier
             with self._lock:
                 self._distrusted.add(server)
                 self._last_error[server] = f"sent {entry.name} with a wrong sha256"

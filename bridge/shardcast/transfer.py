@@ -117,7 +117,7 @@ _IDLE = _IdleSockets()
 
 
 def close_idle() -> None:
-    """Close every kept-alive socket (tests, and a process that is done fetching)."""
+    """Close every kept-alive socket (tests start from an empty pool with it)."""
     _IDLE.clear()
 
 

@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
+from bridge.shardcast.names import parse_server_url
+from bridge.shardcast.transfer import close_idle, open_get, read_body
+
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
@@ -366,9 +369,6 @@ def test_retention_spares_a_version_a_client_is_fetching(cluster, tmp_path):
 def test_the_origin_keeps_a_connection_for_the_next_request(cluster, tmp_path):
     """The client's kept-alive socket (bridge.shardcast.transfer) against the real server: the listing, then the
     version's manifest, on one socket."""
-    from bridge.shardcast.names import parse_server_url
-    from bridge.shardcast.transfer import close_idle, open_get, read_body
-
     publish(tmp_path / "weights", 1, {"a.bin": b"hello" * 1000})
     url = parse_server_url(cluster.origin(tmp_path / "weights"))
     close_idle()
