@@ -28,6 +28,14 @@ response at most at R MB/s (a stand-in for hops on machines of their own, each b
 `pipelined_vs_store_and_forward` puts the two modes' medians side by side for every topology, and
 `chain_depth_over_depth_1` divides each depth's median by depth 1's, per mode.
 
+CPU (ours only): every run of ours also reports `cpu_s`, the CPU time (user + system, all threads) each of its
+processes spent from the clock's start to the last client's exit: origin, each relay, each client and their total
+(from /proc/PID/stat at the clock's start and, for the servers, when the last client has exited; from the
+clients' resource usage when they are reaped), and `cpu_bound_s`, that total divided by the number of CPUs: the
+shortest wall time this machine's CPUs allow for that work. The summary puts each contestant's median
+`cpu_bound_s` beside its median wall time, and `wall_over_cpu_bound`, the ratio of the two medians (near 1: the
+run is CPU-bound here).
+
 Per-client MB/s is each client's own transfer (from its first request to the version landed, for the
 reference from seeing the version to the verified file). Repeats are interleaved; the summary gives best and
 median per contestant. Prints JSON.
@@ -56,6 +64,7 @@ from bridge.shardcast.manifest import PART_SIZE
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MIB = 1 << 20
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # `intellect shardcast ...` whose servers send each response at most at PACE bytes/s (argv[1]): a stand-in for
 # hops on separate machines, where each link, not one shared CPU, bounds a hop's speed
@@ -143,25 +152,44 @@ def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str
     raise RuntimeError(f"process {proc.args} did not print {needle!r} (exit {proc.poll()})")
 
 
-def exit_times(procs: list[subprocess.Popen], timeout: float = 300.0) -> list[float]:
-    """Wall-clock exit time of each process (a thread per process); fails after `timeout` seconds."""
-    times = [0.0] * len(procs)
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all its threads) process `pid` has spent so far, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces: field 3 on
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15: utime, stime, in clock ticks
+
+
+def exit_times(procs: list[subprocess.Popen], timeout: float = 300.0) -> tuple[list[float], list[float]]:
+    """Wall-clock exit time of each process and the CPU seconds (user + system) it spent in its whole life, from
+    its resource usage when reaped (a thread per process, blocked in `os.wait4`, which also sets the process's
+    returncode); after `timeout` seconds the processes still running are killed and it fails."""
+    times: list[float | None] = [None] * len(procs)
+    cpu = [0.0] * len(procs)
 
     def wait(i: int) -> None:
         try:
-            procs[i].wait(timeout)
-            times[i] = time.time()
-        except subprocess.TimeoutExpired:
-            pass
+            _, status, usage = os.wait4(procs[i].pid, 0)
+        except ChildProcessError:  # reaped by Popen already (killed after the timeout below)
+            return
+        times[i] = time.time()
+        cpu[i] = usage.ru_utime + usage.ru_stime
+        procs[i].returncode = os.waitstatus_to_exitcode(status)
 
-    threads = [threading.Thread(target=wait, args=(i,)) for i in range(len(procs))]
+    threads = [threading.Thread(target=wait, args=(i,), daemon=True) for i in range(len(procs))]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join()
-    if not all(times):
-        raise RuntimeError(f"{times.count(0.0)} client(s) still running after {timeout:.0f} s")
-    return times
+        t.join(max(0.0, deadline - time.monotonic()))
+    if None in times:
+        late = times.count(None)
+        for proc, when in zip(procs, times):
+            if when is None:
+                proc.kill()
+        for t in threads:
+            t.join()
+        raise RuntimeError(f"{late} client(s) still running after {timeout:.0f} s")
+    return times, cpu
 
 
 def sha256(path: Path) -> str:
@@ -256,7 +284,7 @@ def run_ours(
         [*servers, "origin", "--dir", str(weights), "--port", "0"], work / "origin.log", cwd=REPO, env=env
     )
     origin_url = wait_line(origin, "serving").split()[-1]
-    relays = []
+    relays, relay_procs = [], []
     for i in range(2 if chain is None else chain):
         upstream = origin_url if chain is None or not relays else relays[-1]
         relay = procs.start(
@@ -266,6 +294,7 @@ def run_ours(
             env=env,
         )
         relays.append(wait_line(relay, "serving").split()[-1])
+        relay_procs.append(relay)
     if chain is not None:
         relays = relays[-1:]
     fetchers = [
@@ -288,10 +317,14 @@ def run_ours(
         for i in range(clients)
     ]
     time.sleep(2.0)  # every client is up and long-polling
+    servers_procs = [origin, *relay_procs]
+    cpu_at_start = [cpu_seconds(p.pid) for p in [*servers_procs, *fetchers]]
     t0 = time.time()
     os.rename(staging, weights / "v000001")
     (weights / "v000001" / "STABLE").write_text("1\n")
-    done = exit_times(fetchers)
+    done, clients_cpu = exit_times(fetchers)
+    cpu_at_end = [cpu_seconds(p.pid) for p in servers_procs] + clients_cpu  # the servers still run: read them now
+    spent = [end - start for start, end in zip(cpu_at_start, cpu_at_end)]
     results = []
     for i, proc in enumerate(fetchers):
         out = proc.stdout.read()
@@ -301,10 +334,18 @@ def run_ours(
     landed = work / "client0" / "v000001" / "model-00001-of-00001.safetensors"
     assert landed.stat().st_size == payload.stat().st_size and sha256(landed) == sha256(payload)
     procs.kill_all()
+    n_servers = len(servers_procs)
     return {
         "end_to_end_s": round(max(done) - t0, 3),
         "per_client_mb_s": [r["mb_per_s"] for r in results],
         "per_client_transfer_s": [r["seconds"] for r in results],
+        "cpu_s": {
+            "origin": round(spent[0], 2),
+            "relays": [round(s, 2) for s in spent[1:n_servers]],
+            "clients": [round(s, 2) for s in spent[n_servers:]],
+            "total": round(sum(spent), 2),
+        },
+        "cpu_bound_s": round(sum(spent) / os.cpu_count(), 3),
     }
 
 
@@ -364,7 +405,7 @@ def run_reference(payload: Path, clients: int, work: Path, procs: Procs, ref_dir
     origin.stdin.write("go\n")
     origin.stdin.flush()
     broadcast = json.loads(wait_line(origin, "broadcast_s"))["broadcast_s"]
-    done = exit_times(fetchers)
+    done, _ = exit_times(fetchers)
     results = []
     for i, proc in enumerate(fetchers):
         out = json.loads(proc.stdout.read().strip().splitlines()[-1])
@@ -395,7 +436,8 @@ CHAIN_VARIANTS = ("ours", "ours_store_and_forward")
 
 
 def summarize(entry: dict, raw: float) -> None:
-    """Best and median end-to-end time of each contestant, its slowest client as a fraction of raw."""
+    """Best and median end-to-end time of each contestant, its slowest client as a fraction of raw; where its runs
+    measured CPU (ours), the median `cpu_bound_s` and the median wall time over it."""
     for name in [*VARIANTS, "reference"]:
         runs = entry.get(name)
         if isinstance(runs, list) and runs:
@@ -404,6 +446,11 @@ def summarize(entry: dict, raw: float) -> None:
             entry[f"{name}_slowest_client_fraction_of_raw"] = round(
                 statistics.median(min(run["per_client_mb_s"]) for run in runs) / raw, 3
             )
+            if all("cpu_bound_s" in run for run in runs):
+                bound = statistics.median(run["cpu_bound_s"] for run in runs)
+                entry[f"{name}_median_cpu_s"] = statistics.median(run["cpu_s"]["total"] for run in runs)
+                entry[f"{name}_median_cpu_bound_s"] = bound
+                entry[f"{name}_wall_over_cpu_bound"] = round(entry[f"{name}_median_s"] / bound, 2) if bound else None
     if "reference_best_s" in entry:  # the reference ran (it is a note instead when it could not be installed)
         for name in VARIANTS:
             if f"{name}_best_s" in entry:
@@ -418,6 +465,10 @@ def compare_modes(report: dict) -> None:
         if all(f"{v}_median_s" in entry for v in modes.values()):
             row = {f"{m}_{k}_s": entry[f"{v}_{k}_s"] for m, v in modes.items() for k in ("best", "median")}
             row["speedup_median"] = round(entry["ours_store_and_forward_median_s"] / entry["ours_median_s"], 2)
+            for m, v in modes.items():
+                if f"{v}_median_cpu_bound_s" in entry:
+                    row[f"{m}_median_cpu_bound_s"] = entry[f"{v}_median_cpu_bound_s"]
+                    row[f"{m}_wall_over_cpu_bound"] = entry[f"{v}_wall_over_cpu_bound"]
             side[topology] = row
     report["pipelined_vs_store_and_forward"] = side
     chains = {int(t.split()[2].rstrip(":")): e for t, e in report["topologies"].items() if t.startswith("chain depth ")}
