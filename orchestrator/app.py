@@ -49,9 +49,10 @@ from bridge.protocol.messages import (
 )
 from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from orchestrator import dashboard
+from orchestrator.auth import request_target
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import SCHEMA_VERSION
-from orchestrator.fast_lane import NODE_ROUTES, NodeRoute, fast_lane, read_body, replaying
+from orchestrator.fast_lane import NODE_ROUTES, NodeLane, NodeRoute, fast_lane, read_body, replaying
 from orchestrator.guards import (
     BodyError,
     address_group,
@@ -183,7 +184,8 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
     async def signed(request: Request) -> str:
         h = request.headers
         return svc.auth.verify(
-            request.scope,
+            request.method,
+            request_target(request.scope),
             await request.body(),
             h.get(HEADER_KEY),
             h.get(HEADER_TIMESTAMP),
@@ -372,7 +374,8 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
 
     app.openapi = functools.partial(_openapi, app)
     by_path = {getattr(r, "path", None): r for r in app.routes if "POST" in getattr(r, "methods", ())}
-    app.fast_lane = fast_lane(functools.partial(FastAPI.__call__, app), svc, node_routes, by_path)
+    app.node_lane = NodeLane(svc, node_routes, by_path)  # server.py answers these routes from it directly
+    app.fast_lane = fast_lane(functools.partial(FastAPI.__call__, app), app.node_lane)
     if svc.wal is not None:
         app.add_middleware(_Middleware, wrap=svc.wal.middleware)
     app.add_middleware(_Middleware, wrap=svc.metrics.middleware)
@@ -435,6 +438,7 @@ class _Service(FastAPI):
     """The FastAPI application with the fast lane (fast_lane.py) in front of its middleware stack."""
 
     fast_lane: Callable | None = None
+    node_lane: NodeLane | None = None
 
     async def __call__(self, scope, receive, send):
         if self.fast_lane is None:

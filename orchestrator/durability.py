@@ -94,15 +94,19 @@ class WalSync:
                 for waiter in batch:
                     waiter.set_result(None)
 
-    async def wait(self) -> None:
-        """Return once every commit made so far is on disk."""
+    def waiter(self) -> asyncio.Future:
+        """A future done once every commit made so far is on disk (its exception: the fsync's OSError)."""
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._flusher())
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._wake.set()
-        await waiter
+        return waiter
+
+    async def wait(self) -> None:
+        """Return once every commit made so far is on disk."""
+        await self.waiter()
 
     async def close(self) -> None:
         if self._task is not None:
