@@ -51,7 +51,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -106,8 +106,12 @@ class Work(Base):
         UniqueConstraint("node_key", "version", "k"),
         Index("ix_work_state_version", "state", "version"),
         Index("ix_work_node_state", "node_key", "state"),
-        Index("ix_work_verdict_at", "verdict_at"),
-    )  # the dashboard's throughput of recent minutes
+        Index("ix_work_verdict_at", "verdict_at"),  # the dashboard's throughput of recent minutes
+        # A validator's claim: the batch it holds, else the oldest unclaimed, found without reading or sorting
+        # the whole backlog of submitted batches (a claim cost grew with the backlog before these).
+        Index("ix_work_claim_queue", "state", "announced_at", "id"),
+        Index("ix_work_claimed_by", "claimed_by", "state"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
@@ -177,6 +181,16 @@ def _v2_to_v3(conn: Connection) -> None:
 
 
 MIGRATIONS[2] = _v2_to_v3
+
+
+def _v3_to_v4(conn: Connection) -> None:
+    """The claim queue's indexes (`Work`); a database that has them already keeps them."""
+    for index in Work.__table__.indexes:
+        if index.name in ("ix_work_claim_queue", "ix_work_claimed_by"):
+            index.create(conn, checkfirst=True)
+
+
+MIGRATIONS[3] = _v3_to_v4
 
 
 def sqlite_url(path: str | Path) -> str:

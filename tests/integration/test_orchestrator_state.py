@@ -282,6 +282,27 @@ def test_compute_challenge_admits_only_a_right_and_timely_answer(tmp_path):
     assert ok.status == "admitted" and node.heartbeat().state == "healthy"
 
 
+def test_a_schema_3_database_gains_the_claim_queue_indexes(tmp_path):
+    """The claim queries use them (SQLite's plan): neither scans nor sorts the submitted backlog."""
+    from orchestrator.scheduler import _HELD_CLAIM, _NEXT_CLAIM
+
+    url = sqlite_url(tmp_path / "o.db")
+    with open_database(url).begin() as conn:  # as schema 3 left it
+        conn.execute(text("DROP INDEX ix_work_claim_queue"))
+        conn.execute(text("DROP INDEX ix_work_claimed_by"))
+        conn.execute(text("UPDATE schema_info SET version = 3"))
+    engine = open_database(url)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION
+        names = {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'index'"))}
+        assert {"ix_work_claim_queue", "ix_work_claimed_by"} <= names
+        for query in (_HELD_CLAIM, _NEXT_CLAIM):
+            compiled = query.compile(engine)  # SQLite's positional parameters: any values do for a plan
+            rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", tuple(0 for _ in compiled.positiontup))
+            plan = " | ".join(row[-1] for row in rows)
+            assert "TEMP B-TREE" not in plan and ("ix_work_claim_queue" in plan or "ix_work_claimed_by" in plan), plan
+
+
 def test_schema_is_created_upgraded_or_refused(tmp_path):
     url = sqlite_url(tmp_path / "o.db")
     with open_database(url).connect() as conn:

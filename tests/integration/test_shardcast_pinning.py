@@ -362,5 +362,5 @@ def test_a_schema_2_database_gains_the_manifest_column(tmp_path):
         conn.execute(text("INSERT INTO policy (version, learner_step, relays, announced_at) VALUES (4, 4, '[]', 1)"))
         conn.execute(text("UPDATE schema_info SET version = 2"))
     with open_database(url).connect() as conn:
-        assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION == 3
+        assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION
         assert conn.execute(text("SELECT version, manifest_sha256 FROM policy")).all() == [(4, None)]
