@@ -310,14 +310,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if not committed or wal is None:
             return self._reply_directly(cycle, found, reply, start)
 
-        def durable(done: asyncio.Future) -> None:
-            final = reply
-            if done.cancelled() or done.exception() is not None:
-                log.error("POST %s: the commit could not be made durable: %r", found.spec.path, done)
-                final = INTERNAL_ERROR
-            self._reply_directly(cycle, found, final, start)
+        def durable(error: BaseException | None) -> None:
+            if error is not None:
+                log.error("POST %s: the commit could not be made durable: %r", found.spec.path, error)
+            self._reply_directly(cycle, found, reply if error is None else INTERNAL_ERROR, start)
 
-        wal.waiter().add_done_callback(durable)
+        wal.when_durable(durable)
 
     # -- the direct lane ---------------------------------------------------------------------------------------
 
