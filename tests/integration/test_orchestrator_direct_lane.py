@@ -52,6 +52,26 @@ def request(node, target: str, body: bytes, extra: str = "", version: str = "1.1
     return ("\r\n".join(lines) + "\r\n" + extra + "\r\n").encode() + body
 
 
+HEARTBEAT = json.dumps({"loaded_versions": [], "metrics": {}}).encode()
+
+
+def announcement_for(a, name: str) -> bytes:
+    """The body of an announcement of batch `name` for assignment `a`."""
+    return (
+        BatchAnnouncement(
+            batch_id=name,
+            assignment_id=a.id,
+            version=a.version,
+            num_samples=a.prompts * a.samples_per_prompt,
+            num_tokens=1,
+            store_path=f"file:///x/v{a.version:06d}/{name}",
+            sha256="00" * 32,
+        )
+        .model_dump_json()
+        .encode()
+    )
+
+
 class Replies:
     """Responses read one by one from a socket (Content-Length framed)."""
 
@@ -87,11 +107,10 @@ def test_both_lanes_give_the_same_answers(server):
     signature (401): answered by the direct lane and by the ASGI lane, the same status, headers and body."""
     worker, validator = join(server.url, "worker"), join(server.url, "validator")
     stranger = type("Stranger", (), {"key": Ed25519PrivateKey.generate()})()
-    heartbeat = json.dumps({"loaded_versions": [], "metrics": {}}).encode()
     cases = [
-        (validator, "/v1/nodes/heartbeat", "/v1/nodes/heartbea%74", heartbeat, 200),
+        (validator, "/v1/nodes/heartbeat", "/v1/nodes/heartbea%74", HEARTBEAT, 200),
         (worker, "/v1/validation/claim", "/v1/validation/clai%6D", b"{}", 403),
-        (stranger, "/v1/nodes/heartbeat", "/v1/nodes/heartbea%74", heartbeat, 403),
+        (stranger, "/v1/nodes/heartbeat", "/v1/nodes/heartbea%74", HEARTBEAT, 403),
     ]
     sock = connect(server)
     replies = Replies(sock)
@@ -106,7 +125,7 @@ def test_both_lanes_give_the_same_answers(server):
         assert answers[0][0] == status, answers[0]
     answers = []
     for target in ("/v1/nodes/heartbeat", "/v1/nodes/heartbea%74"):
-        sock.sendall(request(validator, target, heartbeat, forged=True))
+        sock.sendall(request(validator, target, HEARTBEAT, forged=True))
         code, headers, content = replies.next()
         headers.pop(b"date")
         answers.append((code, headers, content))
@@ -120,24 +139,15 @@ def test_pipelined_requests_are_answered_in_order_also_behind_a_durable_commit(s
     that order, each the right one."""
     worker, validator = join(server.url, "worker"), join(server.url, "validator")
     [a] = worker.heartbeat().assignments[:1]
-    announcement = BatchAnnouncement(
-        batch_id="piped-1",
-        assignment_id=a.id,
-        version=a.version,
-        num_samples=a.prompts * a.samples_per_prompt,
-        num_tokens=1,
-        store_path="file:///x/v000000/piped-1",
-        sha256="00" * 32,
-    )
-    heartbeat = json.dumps({"loaded_versions": [], "metrics": {}}).encode()
+    announcement = announcement_for(a, "piped-1")
     verdict = json.dumps({"accepted": False, "reason": "x", "num_tokens": 0}).encode()
     wire = b"".join(
         (
-            request(worker, "/v1/batches", announcement.model_dump_json().encode()),
-            request(worker, "/v1/nodes/heartbeat", heartbeat),
+            request(worker, "/v1/batches", announcement),
+            request(worker, "/v1/nodes/heartbeat", HEARTBEAT),
             b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
             request(validator, "/v1/batches/no-such-batch/verdict", verdict),
-            request(validator, "/v1/nodes/heartbeat", heartbeat),
+            request(validator, "/v1/nodes/heartbeat", HEARTBEAT),
         )
     )
     sock = connect(server)
@@ -156,7 +166,7 @@ def test_pipelined_requests_are_answered_in_order_also_behind_a_durable_commit(s
 @pytest.mark.parametrize(("version", "extra"), [("1.1", "Connection: close\r\n"), ("1.0", "")])
 def test_a_connection_that_asks_to_close_is_closed_after_its_reply(server, version, extra):
     validator = join(server.url, "validator")
-    body = json.dumps({"loaded_versions": [], "metrics": {}}).encode()
+    body = HEARTBEAT
     sock = connect(server)
     sock.sendall(request(validator, "/v1/nodes/heartbeat", body, extra=extra, version=version))
     replies = Replies(sock)

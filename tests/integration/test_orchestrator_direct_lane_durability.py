@@ -8,11 +8,10 @@ import threading
 from unittest import mock
 
 import uvicorn
-from test_orchestrator_direct_lane import Replies, request
+from test_orchestrator_direct_lane import HEARTBEAT, Replies, announcement_for, request
 from test_orchestrator_state import Pool
 from uvicorn.server import ServerState
 
-from bridge.protocol import BatchAnnouncement
 from orchestrator.server import Limits, protocol_class
 
 
@@ -61,16 +60,7 @@ def test_a_reply_after_a_commit_waits_for_the_fsync_and_what_follows_waits_for_i
         fsyncs.append(wal.wal_path.stat().st_size)
         real()
 
-    announcement = BatchAnnouncement(
-        batch_id="held-1",
-        assignment_id=a.id,
-        version=a.version,
-        num_samples=a.prompts * a.samples_per_prompt,
-        num_tokens=1,
-        store_path="file:///x/v000000/held-1",
-        sha256="00" * 32,
-    )
-    heartbeat = json.dumps({"loaded_versions": [], "metrics": {}}).encode()
+    announcement, heartbeat = announcement_for(a, "held-1"), HEARTBEAT
 
     async def scenario():
         config = uvicorn.Config(pool.app, lifespan="off", proxy_headers=False, log_level="warning")
@@ -89,8 +79,7 @@ def test_a_reply_after_a_commit_waits_for_the_fsync_and_what_follows_waits_for_i
 
         wal._fsync = held_fsync
         proto.data_received(
-            signed(pool, worker, "/v1/batches", announcement.model_dump_json().encode())
-            + signed(pool, worker, "/v1/nodes/heartbeat", heartbeat)
+            signed(pool, worker, "/v1/batches", announcement) + signed(pool, worker, "/v1/nodes/heartbeat", heartbeat)
         )
         await asyncio.sleep(0.3)
         assert transport.out == b"" and not fsyncs  # the commit is not on disk: nothing answered yet
