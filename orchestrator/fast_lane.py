@@ -273,7 +273,7 @@ def fast_lane(app: Callable, lane: NodeLane) -> Callable:
             if committed and svc.wal is not None:
                 try:
                     await svc.wal.wait()
-                except OSError:
+                except Exception:  # as in the direct lane (server.py): whatever failed the fsync, a 500
                     log.exception("%s %s: the commit could not be made durable", scope["method"], scope["path"])
                     reply = INTERNAL_ERROR
             await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
