@@ -26,9 +26,11 @@ refuses, with a message saying what to do, a database it cannot upgrade or one w
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -36,13 +38,16 @@ from sqlalchemy import (
     Boolean,
     Connection,
     Engine,
+    Executable,
     Float,
     ForeignKey,
     Index,
+    Insert,
     Integer,
     String,
     Text,
     UniqueConstraint,
+    Update,
     create_engine,
     event,
     inspect,
@@ -248,3 +253,129 @@ def open_database(
             version += 1
             conn.execute(text("UPDATE schema_info SET version = :v"), {"v": version})
     return engine
+
+
+class HotPath:
+    """The scheduler's hot statements (issue, announce, claim, verdict: several hundred transactions a second in
+    a large pool) on one held connection.
+
+    Each prebuilt Core statement is compiled once for the engine's dialect (per set of parameter names, for an
+    INSERT or an UPDATE whose SET names the columns given). On SQLite the compiled SQL runs on the driver's own
+    connection, with the column types' bind and result processors applied here: SQLAlchemy's per-execution
+    machinery (execution context, events, result objects) costs several times the statement there. Elsewhere
+    (PostgreSQL) a statement runs through `Connection.execute` as usual. Transactions stay SQLAlchemy's either way
+    (`begin`), so its `commit` event, which durability.py listens to, fires as before.
+
+    One caller at a time: the service's event loop.
+    """
+
+    def __init__(self, engine: Engine, *, direct: bool | None = None):
+        self.engine = engine
+        dialect = engine.dialect
+        self.direct = (dialect.name == "sqlite" and dialect.paramstyle == "qmark") if direct is None else direct
+        self._conn: Connection | None = None
+        self._wrote = False
+        self._plans: dict[tuple[Executable, tuple[str, ...]], _Plan] = {}
+
+    @contextlib.contextmanager
+    def begin(self) -> Iterator[Connection]:
+        """A transaction on the held connection: committed at the end of the block if `write` ran in it (a
+        transaction that only read ends without a commit, so nothing waits for an fsync), rolled back on an error."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self._conn = self.engine.connect()
+        transaction = conn.begin()
+        self._wrote = False
+        try:
+            yield conn
+        except BaseException:
+            transaction.rollback()
+            raise
+        if self._wrote:
+            transaction.commit()
+        else:
+            transaction.rollback()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def rows(self, conn: Connection, stmt: Executable, params: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        """Every row of a SELECT, as mappings by column key."""
+        if not self.direct:
+            return [row._mapping for row in conn.execute(stmt, params)]
+        plan = self._plan(stmt, params)
+        cursor = conn.connection.driver_connection.execute(plan.sql, plan.values(params))
+        try:
+            if plan.keys is None:  # the names the SQL gives its columns (labels included), as Result's keys
+                plan.keys = [d[0] for d in cursor.description]
+            return [plan.row(values) for values in cursor.fetchall()]
+        finally:
+            cursor.close()
+
+    def first(self, conn: Connection, stmt: Executable, params: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        """The first row of a SELECT (give it a LIMIT 1), or None."""
+        rows = self.rows(conn, stmt, params)
+        return rows[0] if rows else None
+
+    def scalar(self, conn: Connection, stmt: Executable, params: Mapping[str, Any]) -> Any:
+        """The first column of the first row, or None."""
+        row = self.first(conn, stmt, params)
+        return None if row is None else next(iter(row.values()))
+
+    def write(self, conn: Connection, stmt: Insert | Update, params: Mapping[str, Any]) -> int | None:
+        """Run an INSERT (returns the new row's integer primary key) or an UPDATE (returns None)."""
+        self._wrote = True
+        if not self.direct:
+            result = conn.execute(stmt, params)
+            return result.inserted_primary_key[0] if isinstance(stmt, Insert) else None
+        plan = self._plan(stmt, params)
+        cursor = conn.connection.driver_connection.execute(plan.sql, plan.values(params))
+        try:
+            return cursor.lastrowid if isinstance(stmt, Insert) else None
+        finally:
+            cursor.close()
+
+    def _plan(self, stmt: Executable, params: Mapping[str, Any]) -> _Plan:
+        names = tuple(params) if isinstance(stmt, (Insert, Update)) else ()
+        plan = self._plans.get((stmt, names))
+        if plan is None:
+            plan = self._plans[(stmt, names)] = _Plan(stmt, self.engine.dialect, names)
+        return plan
+
+
+class _Plan:
+    """A statement compiled for a positional dialect: its SQL, the order and processors of its parameters, and
+    the keys and processors of its result columns."""
+
+    def __init__(self, stmt: Executable, dialect, names: tuple[str, ...]):
+        compiled = stmt.compile(dialect=dialect, column_keys=list(names) if names else None)
+        if compiled.positiontup is None:
+            raise ValueError(f"{dialect.name}: not a positional paramstyle")
+        self.sql = compiled.string
+        self.compiled = compiled
+        self.order = list(compiled.positiontup)
+        binds = {name: compiled.binds[name] for name in self.order}
+        self.bind_processors = {
+            name: proc
+            for name, bind in binds.items()
+            if (proc := bind.type.dialect_impl(dialect).bind_processor(dialect)) is not None
+        }
+        columns = list(getattr(stmt, "selected_columns", ()))
+        self.keys: list[str] | None = None  # from the first cursor's description
+        self.result_processors = [
+            column.type.dialect_impl(dialect).result_processor(dialect, None) for column in columns
+        ]
+        if not any(self.result_processors):
+            self.result_processors = None
+
+    def values(self, params: Mapping[str, Any]) -> list[Any]:
+        merged = self.compiled.construct_params(params)
+        processors = self.bind_processors
+        return [processors[name](merged[name]) if name in processors else merged[name] for name in self.order]
+
+    def row(self, values: tuple) -> dict[str, Any]:
+        if self.result_processors is not None:
+            values = [value if proc is None else proc(value) for proc, value in zip(self.result_processors, values)]
+        return dict(zip(self.keys, values))

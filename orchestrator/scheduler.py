@@ -49,7 +49,7 @@ from bridge.protocol.messages import (
     PolicyInfo,
     Verdict,
 )
-from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, Policy, Work
+from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, HotPath, Policy, Work
 from orchestrator.nodes import NodeRegistry
 
 log = logging.getLogger("orchestrator")
@@ -104,6 +104,7 @@ class WorkScheduler:
     ):
         self.db = db
         self.engine: Engine = db.kw["bind"]
+        self.hot = HotPath(self.engine)
         self.registry = registry
         self.async_level = async_level
         self.prompts_per_assignment = prompts_per_assignment
@@ -142,6 +143,9 @@ class WorkScheduler:
                 self._open[w.node_key].append(self._to_assignment(w))
                 self._deadlines.append((w.issued_at + deadline_s, w.id, w.node_key))
             self._verdict_seq = s.scalar(select(func.max(Work.verdict_seq))) or 0
+            # no assignment exists at a newer version than this: the first k there is 0, with no count to run
+            newest = s.scalar(select(func.max(Work.version)))
+            self._newest_at_start = -1 if newest is None else newest
             self.expired_total = s.scalar(select(func.count()).select_from(Work).where(Work.expired_at.is_not(None)))
         # open assignments held by workers without an accepted batch, kept by deltas
         self._unproven_open = sum(len(v) for k, v in self._open.items() if k not in self._proven)
@@ -297,10 +301,13 @@ class WorkScheduler:
     def _issue(self, key: str, loaded_versions: Sequence[int]) -> SimpleNamespace:
         usable = [v for v in loaded_versions if self.policy.min_version <= v <= self.policy.version]
         version = max(usable, default=self.policy.version)
-        with self.engine.begin() as conn:
+        hot = self.hot
+        with hot.begin() as conn:
             k = self._next_k.get((key, version))
-            if k is None:  # assignments are only ever added, by this object: counted once, then kept
-                k = conn.scalar(_COUNT_K, {"key": key, "version": version})
+            if k is None and version > self._newest_at_start:
+                k = 0
+            elif k is None:  # assignments are only ever added, by this object: counted once, then kept
+                k = hot.scalar(conn, _COUNT_K, {"key": key, "version": version})
             work = SimpleNamespace(
                 node_key=key,
                 version=version,
@@ -310,7 +317,7 @@ class WorkScheduler:
                 state=OPEN,
                 issued_at=self.clock(),
             )
-            work.id = conn.execute(_INSERT, vars(work)).inserted_primary_key[0]
+            work.id = hot.write(conn, _INSERT, vars(work))
         self._next_k[(key, version)] = k + 1
         return work
 
@@ -318,9 +325,10 @@ class WorkScheduler:
 
     def announce(self, key: str, msg: BatchAnnouncement) -> BatchRecord:
         """Record a committed batch for one of the worker's assignments; repeating it is a no-op."""
-        with self.engine.begin() as conn:
-            row = conn.execute(_BY_ID, {"wid": msg.assignment_id}).first()
-            work = None if row is None else SimpleNamespace(**row._mapping)
+        hot = self.hot
+        with hot.begin() as conn:
+            row = hot.first(conn, _BY_ID, {"wid": msg.assignment_id})
+            work = None if row is None else SimpleNamespace(**row)
             revived = work is not None and work.state in (LOST, EXPIRED) and self._in_window(work.version)
             if work is None or work.node_key != key:
                 raise HTTPException(404, f"assignment_id {msg.assignment_id}: no such assignment of this node")
@@ -344,7 +352,7 @@ class WorkScheduler:
                 raise HTTPException(
                     422, [{"loc": ["body", p.split(":")[0]], "msg": p, "type": "value_error"} for p in problems]
                 )
-            if conn.scalar(_ID_OF_BATCH, {"batch": msg.batch_id}) is not None:
+            if hot.scalar(conn, _ID_OF_BATCH, {"batch": msg.batch_id}) is not None:
                 raise HTTPException(409, f"batch_id {msg.batch_id!r} is already taken by another assignment")
             now = self.clock()
             change = dict(
@@ -356,7 +364,7 @@ class WorkScheduler:
                 num_tokens=msg.num_tokens,
                 announced_at=now,
             )
-            conn.execute(_UPDATE, {"wid": work.id, **change})
+            hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record = batch_record(work, now)
         self._drop_open(key, {msg.assignment_id})
@@ -366,29 +374,26 @@ class WorkScheduler:
     def claim(self, key: str, lease_s: float | None) -> tuple[BatchRecord | None, float | None]:
         """The batch this validator holds a live claim on, else the oldest unclaimed (or lapsed) batch."""
         now = self.clock()
-        with self.engine.connect() as conn:  # commits only when it hands out a claim
-            row = (
-                conn.execute(_HELD_CLAIM, {"key": key, "now": now}).first()
-                or conn.execute(_NEXT_CLAIM, {"now": now}).first()
-            )
+        hot = self.hot
+        with hot.begin() as conn:
+            row = hot.first(conn, _HELD_CLAIM, {"key": key, "now": now}) or hot.first(conn, _NEXT_CLAIM, {"now": now})
             if row is None:
-                conn.rollback()
                 return None, None
-            work = SimpleNamespace(**row._mapping)
+            work = SimpleNamespace(**row)
             work.claimed_by, work.lease_expires = key, now + (lease_s or self.claim_lease_s)
-            conn.execute(_UPDATE, {"wid": work.id, "claimed_by": key, "lease_expires": work.lease_expires})
-            conn.commit()
+            hot.write(conn, _UPDATE, {"wid": work.id, "claimed_by": key, "lease_expires": work.lease_expires})
             return batch_record(work, now), work.lease_expires
 
     def verdict(self, key: str, batch_id: str, msg: Verdict) -> tuple[BatchRecord, bool]:
         """Judge a batch this validator claimed: (the record, False if this repeats a verdict already given).
         A rejection may ban the worker (`ban_after_rejections` within `rejection_window_s`)."""
         now = self.clock()
-        with self.engine.begin() as conn:
-            row = conn.execute(_BY_BATCH, {"batch": batch_id}).first()
+        hot = self.hot
+        with hot.begin() as conn:
+            row = hot.first(conn, _BY_BATCH, {"batch": batch_id})
             if row is None:
                 raise HTTPException(404, f"no batch {batch_id!r}")
-            work = SimpleNamespace(**row._mapping)
+            work = SimpleNamespace(**row)
             if work.state in (ACCEPTED, REJECTED):
                 if work.validator_key == key and (work.state == ACCEPTED) == msg.accepted:
                     return batch_record(work, now), False
@@ -421,7 +426,7 @@ class WorkScheduler:
                 rewards=list(msg.rewards) if msg.accepted else None,
                 verified_tokens=msg.num_tokens,
             )
-            conn.execute(_UPDATE, {"wid": work.id, **change})
+            hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record, worker = batch_record(work, now), work.node_key
         self._verdict_seq += 1  # only once the transaction committed

@@ -175,6 +175,7 @@ class Orchestrator:
         """A clean stop: heartbeat times and the unexpired nonces written (a restart refuses their replays)."""
         self.sweep(flush=True)
         stop_run(self.db, self.auth.nonces, self.run_id, self.clock())
+        self.scheduler.hot.close()
         self.engine.dispose()
 
 
