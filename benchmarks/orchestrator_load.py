@@ -228,6 +228,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_cpus() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all processes and the kernel (Linux /proc/stat)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle, iowait
+    return (sum(values) - idle) / os.sysconf("SC_CLK_TCK"), sum(values) / os.sysconf("SC_CLK_TCK")
+
+
+async def loop_lag(rec: Recorder, lags: list[float], stop: asyncio.Event) -> None:
+    """How late this process's own event loop runs a 10 ms timer: the part of every measured latency that is
+    the load generator's, not the server's."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(0.01)
+        if rec.recording:
+            lags.append(time.perf_counter() - start - 0.01)
+
+
 def address(block: int, i: int) -> str:
     """The i-th loopback address of a block (1: honest nodes, 2: free keys, 3: slow connections, 4: oversized)."""
     return f"127.{block}.{i // 250}.{i % 250 + 1}"
@@ -464,13 +481,19 @@ async def _run_load(
         gc.collect()
         gc.freeze()  # the simulated nodes' own full collections would show as the server's latency
         gc.set_threshold(10_000, 20, 1000)  # and so would their frequent young ones (4.6 s in a minute)
+        lags: list[float] = []
         tasks = [asyncio.create_task(t) for t in make(rec, stop)]
+        tasks.append(asyncio.create_task(loop_lag(rec, lags, stop)))
         await asyncio.sleep(warmup)
         rec.recording = True
         console.log(f"{nodes} nodes, {name}: measuring {seconds:g} s")
-        server_cpu, own_cpu = cpu_seconds(server_pid), time.process_time()
+        server_cpu, own_cpu, machine = cpu_seconds(server_pid), time.process_time(), machine_busy_cpus()
+        attackers_cpu = cpu_seconds(attackers.pid) if attackers is not None and name == "orchestrator" else None
         await asyncio.sleep(seconds)
         server_cpu, own_cpu = cpu_seconds(server_pid) - server_cpu, time.process_time() - own_cpu
+        busy, total = (now - then for now, then in zip(machine_busy_cpus(), machine))
+        if attackers_cpu is not None:
+            attackers_cpu = cpu_seconds(attackers.pid) - attackers_cpu
         rec.recording = False
         stop.set()
         await asyncio.gather(*tasks)
@@ -479,6 +502,16 @@ async def _run_load(
         summary["server_cpu_ms_per_request"] = round(1000 * server_cpu / max(1, summary["requests"]), 3)
         summary["server_cpu_share"] = round(server_cpu / seconds, 3)
         summary["load_generator_cpu_share"] = round(own_cpu / seconds, 3)
+        if attackers_cpu is not None:
+            summary["hostile_process_cpu_share"] = round(attackers_cpu / seconds, 3)
+        # the whole machine, in CPUs busy of os.cpu_count(): near it, every process waits for a CPU
+        summary["machine_cpus_busy"] = round(busy / total * (os.cpu_count() or 1), 2)
+        lag_ms = np.array(lags or [0.0]) * 1000
+        summary["load_generator_loop_lag_ms"] = {
+            "p50": round(float(np.percentile(lag_ms, 50)), 2),
+            "p99": round(float(np.percentile(lag_ms, 99)), 2),
+            "max": round(float(lag_ms.max()), 2),
+        }
     if attackers is not None:
         stop_flag.set()
         results["hostile_mix"] = await asyncio.to_thread(mix_results.get, True, 60)

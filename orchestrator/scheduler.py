@@ -22,8 +22,9 @@ The k-th assignment of a node at version v has its prompts and seeds drawn by `b
 (node key, v, k), so a validator recomputes them.
 
 The hot paths (issuing an assignment, announcing, claiming, judging) run prebuilt SQLAlchemy Core statements
-on one connection each, not ORM sessions: at a 1,000-node pool's request rate, the sessions and the building
-of statements cost the event loop more CPU than the SQL itself.
+through `HotPath` (db.py): one held connection, each statement compiled once, and on SQLite executed on the
+driver's connection itself. At a 1,000-node pool's request rate, ORM sessions, the building of statements and
+SQLAlchemy's per-execution machinery each cost the event loop more CPU than the SQL itself.
 """
 
 from __future__ import annotations
