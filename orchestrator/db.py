@@ -289,12 +289,24 @@ class HotPath:
         try:
             yield conn
         except BaseException:
-            transaction.rollback()
+            try:
+                transaction.rollback()
+            except Exception:
+                self._discard(conn)
             raise
-        if self._wrote:
-            transaction.commit()
-        else:
-            transaction.rollback()
+        try:
+            if self._wrote:
+                transaction.commit()
+            else:
+                transaction.rollback()
+        except BaseException:  # what the driver's connection holds now is unknown: it goes, uncommitted work with it
+            self._discard(conn)
+            raise
+
+    def _discard(self, conn: Connection) -> None:
+        self._conn = None
+        with contextlib.suppress(Exception):
+            conn.invalidate()  # closes the driver's connection, which drops any transaction it still has open
 
     def close(self) -> None:
         if self._conn is not None:

@@ -138,3 +138,24 @@ def test_the_work_flow_and_its_k_counters_through_either_path(tmp_path, direct, 
     with again.svc.engine.connect() as conn:
         ks = conn.execute(select(Work.version, Work.k).order_by(Work.id)).all()
     assert [tuple(r) for r in ks] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+
+
+def test_a_failed_commit_loses_its_write_and_the_next_transaction_works(engine, monkeypatch):
+    hot = HotPath(engine)
+    with hot.begin() as conn:
+        hot.write(conn, sched._UPDATE, {"wid": 1, "reason": "first"})
+    real_commit = engine.dialect.do_commit
+
+    def failing_commit(dbapi_connection):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(engine.dialect, "do_commit", failing_commit)
+    with pytest.raises(Exception, match="disk full"), hot.begin() as conn:
+        hot.write(conn, sched._UPDATE, {"wid": 1, "reason": "lost"})
+    monkeypatch.setattr(engine.dialect, "do_commit", real_commit)
+    with hot.begin() as conn:  # the held connection (or its replacement) takes the next transaction
+        hot.write(conn, sched._UPDATE, {"wid": 2, "reason": "next"})
+    with engine.connect() as conn:
+        reasons = dict(conn.execute(select(Work.id, Work.reason).where(Work.id.in_([1, 2]))).all())
+    assert reasons == {1: "first", 2: "next"}  # the write whose commit failed did not ride on the next commit
+    hot.close()
