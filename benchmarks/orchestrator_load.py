@@ -10,7 +10,10 @@ each to the same server (no signature, no database): the floor set by the HTTP s
 service's target is p99 < 100 ms with zero errors at 1,000 nodes on a 2-core machine.
 
 The load generator runs on uvloop, with its long-lived objects frozen out of the garbage collector and fewer
-young-generation collections: its own pauses would otherwise show as the server's latency.
+young-generation collections: its own pauses would otherwise show as the server's latency. Its clients are
+AsyncOrchestratorClient, which signs and encodes every request, on `_light_http.LightSession` (the same requests
+as aiohttp sends, at a fraction of the CPU: the load generator shares the machine with the server it measures);
+`--http-client aiohttp` runs them on aiohttp as nodes do.
 
 The server runs with its default connection limits (orchestrator/server.py), so the simulated nodes come from
 many loopback addresses (127.0.1.x, `--nodes-per-address` each), as nodes on the internet do.
@@ -46,6 +49,7 @@ import aiohttp
 import numpy as np
 import uvloop
 from _common import OrchestratorProcess
+from _light_http import LightSession
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from rich.console import Console
 
@@ -251,17 +255,20 @@ def address(block: int, i: int) -> str:
 
 
 class Sessions:
-    """aiohttp sessions, one per source address, `per_address` clients each."""
+    """HTTP sessions, one per source address, `per_address` clients each: `LightSession` (the default) or
+    aiohttp's `ClientSession` (`http_client="aiohttp"`, the client that nodes run)."""
 
-    def __init__(self, block: int, per_address: int):
-        self.block, self.per_address, self.sessions = block, per_address, []
+    def __init__(self, block: int, per_address: int, http_client: str = "light"):
+        self.block, self.per_address, self.http_client, self.sessions = block, per_address, http_client, []
 
-    def for_client(self, i: int) -> aiohttp.ClientSession:
+    def for_client(self, i: int) -> aiohttp.ClientSession | LightSession:
         while len(self.sessions) <= i // self.per_address:
-            n = len(self.sessions)
+            source = address(self.block, len(self.sessions))
             self.sessions.append(
-                aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=self.per_address + 8, local_addr=(address(self.block, n), 0))
+                LightSession(source)
+                if self.http_client == "light"
+                else aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=self.per_address + 8, local_addr=(source, 0))
                 )
             )
         return self.sessions[i // self.per_address]
@@ -344,11 +351,11 @@ async def oversized(host: str, port: int, source: str, per_s: float, counts: dic
             pass
 
 
-async def hostile_mix(url: str, hostile: dict, per_address: int, registered, stop_flag) -> dict:
+async def hostile_mix(url: str, hostile: dict, per_address: int, http_client: str, registered, stop_flag) -> dict:
     """The attackers (in their own process, as they would be on their own machines): register the free keys,
     set `registered`, run until `stop_flag` is set; returns what each kind of client got."""
     host, port = url.rsplit("/", 1)[1].split(":")
-    sessions = Sessions(2, per_address)
+    sessions = Sessions(2, per_address, http_client)
     retry = RetryPolicy(attempts=1)
     free = [
         AsyncOrchestratorClient(url, key=Ed25519PrivateKey.generate(), retry=retry, session=sessions.for_client(i))
@@ -380,10 +387,12 @@ async def hostile_mix(url: str, hostile: dict, per_address: int, registered, sto
     return mix
 
 
-def _hostile_process(url: str, hostile: dict, per_address: int, registered, stop_flag, results) -> None:
+def _hostile_process(
+    url: str, hostile: dict, per_address: int, http_client: str, registered, stop_flag, results
+) -> None:
     gc.collect()
     gc.freeze()
-    results.put(uvloop.run(hostile_mix(url, hostile, per_address, registered, stop_flag)))
+    results.put(uvloop.run(hostile_mix(url, hostile, per_address, http_client, registered, stop_flag)))
 
 
 async def run_load(
@@ -397,8 +406,9 @@ async def run_load(
     reference: bool = True,
     hostile: dict | None = None,
     per_address: int = 20,
+    http_client: str = "light",
 ) -> dict:
-    honest = Sessions(1, per_address)
+    honest = Sessions(1, per_address, http_client)
     try:
         return await _run_load(
             url, server_pid, nodes, seconds, warmup, batch_every, console, reference, hostile, honest, per_address
@@ -446,7 +456,9 @@ async def _run_load(
         ctx = multiprocessing.get_context("spawn")
         registered, stop_flag, mix_results = ctx.Event(), ctx.Event(), ctx.Queue()
         attackers = ctx.Process(
-            target=_hostile_process, args=(url, hostile, per_address, registered, stop_flag, mix_results), daemon=True
+            target=_hostile_process,
+            args=(url, hostile, per_address, honest.http_client, registered, stop_flag, mix_results),
+            daemon=True,
         )
 
     results = {}
@@ -526,6 +538,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--batch-every", type=float, default=10.0, help="seconds between a worker's batches")
     parser.add_argument("--nodes-per-address", type=int, default=20, help="honest nodes per loopback address")
+    parser.add_argument(
+        "--http-client",
+        choices=["light", "aiohttp"],
+        default="light",
+        help="the load generator's HTTP client (light: benchmarks/_light_http.py; aiohttp: what nodes run)",
+    )
     parser.add_argument("--no-reference", action="store_true", help="skip the GET /healthz floor")
     parser.add_argument("--hostile", action="store_true", help="each load clean, then with the hostile mix")
     parser.add_argument("--free-keys", type=int, default=200)
@@ -539,6 +557,7 @@ def main() -> None:
         "load_average_at_start": os.getloadavg(),
         "seconds": args.seconds,
         "batch_every_s": args.batch_every,
+        "http_client": args.http_client,
         "target": "1000 nodes: p99 < 100 ms, 0 errors; hostile mix: honest throughput >= 90% of clean, p99 < 200 ms",
         "loads": {},
     }
@@ -571,6 +590,7 @@ def main() -> None:
                         reference,
                         mix,
                         args.nodes_per_address,
+                        args.http_client,
                     )
                 )
                 if mix:
