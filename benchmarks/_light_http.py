@@ -16,6 +16,7 @@ Failures raise aiohttp's exception types (`ClientConnectionError`, `ServerDiscon
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 import aiohttp
@@ -50,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.waiter: asyncio.Future | None = None
         self.closed = False
+        self.idle_since = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -123,11 +125,15 @@ class _RequestContext:
 
 class LightSession:
     """Keep-alive connections from `local_addr` (a source address, or None), reused across the clients that
-    share the session; `request()` as aiohttp.ClientSession's, for what the orchestrator clients send."""
+    share the session; `request()` as aiohttp.ClientSession's, for what the orchestrator clients send.
 
-    def __init__(self, local_addr: str | None = None, timeout_s: float = 30.0):
+    A connection idle for `keepalive_s` is closed rather than reused, as aiohttp does (15 s): one the server is
+    closing for idleness (its `keepalive_s`, 20 s) just as a request goes out would lose that request."""
+
+    def __init__(self, local_addr: str | None = None, timeout_s: float = 30.0, keepalive_s: float = 15.0):
         self.local_addr = local_addr
         self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._all: set[_Connection] = set()
 
@@ -141,8 +147,11 @@ class LightSession:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.closed:
+                continue
+            if time.monotonic() - conn.idle_since < self.keepalive_s:
                 return conn
+            conn.transport.close()
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(
@@ -157,6 +166,7 @@ class LightSession:
         return conn
 
     def _release(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
         self._idle.setdefault(conn.key, deque()).append(conn)
 
     async def _request(self, method: str, url, data, headers: dict, timeout) -> Reply:

@@ -1,9 +1,9 @@
 """Load on the orchestrator: N simulated nodes in one asyncio process against `intellect orchestrator` on 127.0.0.1.
 
 Each worker heartbeats every second (signed, through bridge.protocol's AsyncOrchestratorClient) and announces
-a batch for its assignment every `--batch-every` seconds; validators (one per 50 workers) claim and judge the
-batches as they come; a learner reads accepted batches every second and announces a new policy version every
-10 s. Latency is measured end to end at the client, per route, over `--seconds` after a warm-up.
+a batch for its assignment every `--batch-every` seconds; validators (one per 50 workers) heartbeat every second
+and claim and judge the batches as they come; a learner reads accepted batches every second and announces a new
+policy version every 10 s. Latency is measured end to end at the client, per route, over `--seconds` after a warm-up.
 
 Side by side in the same run, the reference: the same N clients sending one unsigned GET /healthz per second
 each to the same server (no signature, no database): the floor set by the HTTP stack and this machine. The
@@ -102,7 +102,10 @@ class Recorder:
             result = await call
         except (OrchestratorError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if self.recording:
-                self.errors[f"{route}: {type(exc).__name__} {getattr(exc, 'status', '')}"] += 1
+                kind = f"{route}: {type(exc).__name__} {getattr(exc, 'status', '')}"
+                if getattr(exc, "status", None) == 0:  # no answer: what the connection did instead
+                    kind += " " + str(exc.detail).rpartition("(last: ")[2].rstrip(")")[:60]
+                self.errors[kind] += 1
             return None
         if self.recording:
             self.latency[route].append(time.perf_counter() - start)
@@ -175,7 +178,17 @@ async def worker(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.E
         await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
 
 
+async def validator_heartbeat(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event) -> None:
+    """Once a second, as a validator does beside its claims (else the service counts it dead after 30 s)."""
+    await asyncio.sleep(random.uniform(0, 1))
+    while not stop.is_set():
+        tick = time.monotonic()
+        await rec.timed("heartbeat", client.heartbeat())
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
+
+
 async def validator(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event) -> None:
+    beat = asyncio.create_task(validator_heartbeat(client, rec, stop))
     while not stop.is_set():
         claim = await rec.timed("claim", client.claim())
         if claim is None or claim.batch is None:
@@ -195,6 +208,7 @@ async def validator(client: AsyncOrchestratorClient, rec: Recorder, stop: asynci
                 ),
             ),
         )
+    await beat
 
 
 async def learner(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event) -> None:

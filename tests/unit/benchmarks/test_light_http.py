@@ -145,3 +145,21 @@ def test_a_closed_connection_is_not_reused_and_failures_raise_what_the_benchmark
         return connections
 
     assert asyncio.run(run()) == 2  # a new connection after `Connection: close`
+
+
+def test_a_connection_idle_past_keepalive_is_closed_not_reused():
+    """The server closes idle connections after its keep-alive time; a request sent on one just as it does would
+    be lost, so the client gives up a connection first (as aiohttp does)."""
+
+    async def run():
+        async with Capture([json_reply(b"{}")]) as server:
+            session = LightSession(keepalive_s=0.2)
+            statuses = []
+            for pause in (0.0, 0.05, 0.3):
+                await asyncio.sleep(pause)
+                async with session.request("GET", server.url + "/healthz") as reply:
+                    statuses.append(reply.status)
+            await session.close()
+            return statuses, server.connections
+
+    assert asyncio.run(run()) == ([200, 200, 200], 2)
