@@ -31,10 +31,12 @@ demo: $(STAMP)
 	XLA_FLAGS=--xla_force_host_platform_device_count=2 $(BIN)/intellect run configs/demo.toml
 
 # Lint and format are checked first: a layering break, an unused import or an unformatted line fails here.
+# The tests run on TEST_WORKERS processes (pytest-xdist): much of the suite waits on the processes it starts.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=25 tests
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -58,6 +58,7 @@ POSTGRES = ["psycopg[binary]>=3.1"]
 DEV = [
     "pytest>=8",
     "pytest-timeout>=2.3",
+    "pytest-xdist>=3.5",  # make test runs the suite on two processes
     "hypothesis>=6.100",
     "schemathesis>=4",  # fuzzes the orchestrator's OpenAPI document
     "pyarrow>=15",  # parquet: task files, and the rollout-store benchmark's reference
