@@ -25,13 +25,10 @@ import yarl
 
 
 class Headers(dict):
-    """Reply headers by lower-case name; `get` and `[]` take any case."""
+    """Reply headers by lower-case name; `get` takes any case."""
 
     def get(self, name: str, default=None):
         return super().get(name.lower(), default)
-
-    def __getitem__(self, name: str):
-        return super().__getitem__(name.lower())
 
 
 class Reply:
@@ -55,7 +52,7 @@ class _Connection(asyncio.Protocol):
         self._reset()
 
     def _reset(self) -> None:
-        self.headers, self.chunks, self._name = Headers(), [], b""
+        self.headers, self.chunks = Headers(), []
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -99,25 +96,16 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes) -> asyncio.Future:
         self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(head + body if len(body) < 16384 else head)
-        if len(body) >= 16384:
-            self.transport.write(body)
+        self.transport.writelines((head, body))
         return self.waiter
 
 
 class _RequestContext:
-    def __init__(self, session: LightSession, method: str, url, data, headers, timeout):
-        self.session, self.method, self.url, self.data, self.headers, self.timeout = (
-            session,
-            method,
-            url,
-            data,
-            headers,
-            timeout,
-        )
+    def __init__(self, session: LightSession, *request):
+        self.session, self.request = session, request
 
     async def __aenter__(self) -> Reply:
-        return await self.session._request(self.method, self.url, self.data, self.headers, self.timeout)
+        return await self.session._request(*self.request)
 
     async def __aexit__(self, *exc: object) -> None:
         return None

@@ -1,7 +1,7 @@
 """benchmarks/_light_http.py, the load benchmark's HTTP client: it sends what aiohttp sends for the same signed
 call (target, body, signature headers that the server's check accepts) and hands the client the same error
-reply, reads replies with a Content-Length or
-chunked body, reuses keep-alive connections, and fails with the errors the benchmark counts."""
+reply, reads replies with a Content-Length or chunked body, reuses keep-alive connections, and fails with the
+errors the benchmark counts."""
 
 from __future__ import annotations
 
