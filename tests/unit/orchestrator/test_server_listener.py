@@ -167,5 +167,5 @@ def test_out_of_descriptors_pauses_accepting_for_a_second_then_goes_on(caplog):
     with caplog.at_level("WARNING", logger="orchestrator"):
         accepted_while_paused, accepted, waited = uvloop.run(main())
     assert accepted_while_paused == 0
-    assert accepted == 1 and waited >= 1.0
+    assert accepted == 1 and waited >= 0.9  # the pause is 1 s; the loop's timers run to the millisecond
     assert "cannot accept connections for now (Too many open files)" in caplog.text
