@@ -509,14 +509,14 @@ class _Server(uvicorn.Server):
                 config=config, server_state=self.server_state, app_state=self.lifespan.state
             )
 
-        # Everything made so far (modules, the application, its caches) lives as long as the service: a full
-        # collection need not look at it again, and each one then takes milliseconds, not a tenth of a second.
+        # Everything made so far (modules, the application, its caches) lives as long as the service: full
+        # collections need not look at it again, which cuts the pause each of them makes by more than half.
         gc.collect()
         gc.freeze()
         self.listener.start(asyncio.get_running_loop(), create_protocol)
         self.servers = [self.listener]
-        name = self.listener.sockets[0].getsockname()
-        log.info("serving on http://%s:%d", *name[:2])
+        host, port = self.listener.sockets[0].getsockname()[:2]
+        log.info("serving on http://%s:%d", f"[{host}]" if ":" in host else host, port)
 
 
 def serve(app, host: str, port: int, limits: Limits, log_level: str, trusted_proxies: Iterable[str] = ()) -> None:
