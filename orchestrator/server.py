@@ -422,7 +422,7 @@ class Listener:
         self.sockets: list[socket.socket] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._factory: Callable[[], asyncio.Protocol] | None = None
-        self._closed = asyncio.Event()
+        self._closed = False
         try:
             for family, kind, proto, _, address in socket.getaddrinfo(
                 host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -436,7 +436,7 @@ class Listener:
                 sock.listen(backlog)
                 sock.setblocking(False)
         except OSError:
-            self.close_sockets()
+            self.close()
             raise
 
     def start(self, loop: asyncio.AbstractEventLoop, protocol_factory: Callable[[], asyncio.Protocol]) -> None:
@@ -465,7 +465,7 @@ class Listener:
             self._loop.create_task(self._connect(sock))
 
     def _resume(self, listening: socket.socket) -> None:
-        if not self._closed.is_set():
+        if not self._closed:
             self._loop.add_reader(listening.fileno(), self._accept, listening)
 
     async def _connect(self, sock: socket.socket) -> None:
@@ -476,21 +476,17 @@ class Listener:
             sock.close()
 
     def close(self) -> None:
-        """Stop accepting (uvicorn's shutdown calls this, then `wait_closed`)."""
-        if self._closed.is_set():
+        """Stop accepting and close the listening sockets (uvicorn's shutdown calls this, then `wait_closed`)."""
+        if self._closed:
             return
-        self._closed.set()
-        if self._loop is not None:
-            for sock in self.sockets:
-                self._loop.remove_reader(sock.fileno())
-        self.close_sockets()
-
-    def close_sockets(self) -> None:
+        self._closed = True
         for sock in self.sockets:
+            if self._loop is not None:
+                self._loop.remove_reader(sock.fileno())
             sock.close()
 
     async def wait_closed(self) -> None:
-        await self._closed.wait()
+        """Nothing to wait for: `close` closed the sockets."""
 
 
 class _Server(uvicorn.Server):

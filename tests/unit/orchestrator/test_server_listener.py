@@ -112,7 +112,7 @@ def test_close_stops_listening_and_the_address_can_be_bound_again():
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=2)
         again = Listener("127.0.0.1", port, backlog=16)  # SO_REUSEADDR, as asyncio's server sets it
-        again.close_sockets()
+        again.close()
 
     uvloop.run(main())
 
