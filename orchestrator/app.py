@@ -47,12 +47,19 @@ from bridge.protocol.messages import (
     RegisterRequest,
     RegisterResponse,
 )
-from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
+from bridge.protocol.signing import (
+    HEADER_KEY,
+    HEADER_MAC,
+    HEADER_NONCE,
+    HEADER_SESSION,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+)
 from orchestrator import dashboard
 from orchestrator.auth import request_target
 from orchestrator.config import OrchestratorConfig
 from orchestrator.db import SCHEMA_VERSION
-from orchestrator.fast_lane import NODE_ROUTES, NodeLane, NodeRoute, fast_lane, read_body, replaying
+from orchestrator.fast_lane import NODE_ROUTES, SESSION_ROUTES, NodeLane, NodeRoute, fast_lane, read_body, replaying
 from orchestrator.guards import (
     BodyError,
     address_group,
@@ -126,14 +133,20 @@ _ERRORS = {
 }
 
 # Security schemes of the OpenAPI document; the checks themselves are in auth.py.
-_SIGNED = {
-    "NodeKey": "hex ed25519 public key of the node",
-    "Timestamp": "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
-    "Nonce": "16-64 random lowercase hex characters, used once",
-    "Signature": "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
+_SCHEMES = {
+    "NodeKey": (HEADER_KEY, "hex ed25519 public key of the node"),
+    "Timestamp": (HEADER_TIMESTAMP, "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock"),
+    "Nonce": (HEADER_NONCE, "16-64 random lowercase hex characters, used once"),
+    "Signature": (
+        HEADER_SIGNATURE,
+        "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
+    ),
+    "Session": (HEADER_SESSION, "the id of the node's session (POST /v1/nodes/session)"),
+    "Mac": (HEADER_MAC, "hex HMAC-SHA256 under the session key of the string a signature covers"),
 }
-_HEADERS = dict(zip(_SIGNED, (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)))
-_SIGNED_ROUTE = {"security": [{name: [] for name in _SIGNED}]}
+_SIGNED = {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Signature")}
+_SIGNED_ROUTE = {"security": [_SIGNED]}
+_SESSION_ROUTE = {"security": [_SIGNED, {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Session", "Mac")}]}
 _ADMIN_ROUTE = {"security": [{"AdminToken": []}]}
 _LEARNER_OPTIONAL = {"security": [{}, {"AdminToken": []}]}
 
@@ -146,7 +159,7 @@ def _reply(model: BaseModel) -> Response:
 def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], float] = time.time) -> FastAPI:
     """The service of config section `cfg` and the run's values `run` (storage: `run.database_url`)."""
     svc = Orchestrator(cfg, run, clock)
-    node_routes = NodeRoutes(svc)
+    node_routes = NodeRoutes(svc, SESSION_ROUTES)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -181,7 +194,7 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         """FastAPI's 422 without the input it would repeat (guards.py)."""
         return JSONResponse({"detail": validation_errors(exc.errors())}, 422)
 
-    async def signed(request: Request) -> str:
+    async def signed(request: Request, session_ok: bool = False) -> str:
         h = request.headers
         return svc.auth.verify(
             request.method,
@@ -191,6 +204,9 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
             h.get(HEADER_TIMESTAMP),
             h.get(HEADER_NONCE),
             h.get(HEADER_SIGNATURE),
+            h.get(HEADER_SESSION),
+            h.get(HEADER_MAC),
+            session_ok=session_ok,
         )
 
     async def new_node(request: Request) -> str:
@@ -198,9 +214,9 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         svc.registry.check_known(key, allow_unknown=True)
         return key
 
-    def role(required: str | None) -> Callable:
+    def role(required: str | None, session_ok: bool = False) -> Callable:
         async def known(request: Request) -> tuple[str, LiveNode]:
-            key = await signed(request)
+            key = await signed(request, session_ok)
             return key, node_routes.node_in_role(key, required)
 
         return known
@@ -255,7 +271,7 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         )
 
     for spec in NODE_ROUTES:  # also served by the fast lane (fast_lane.py), from the same table
-        _declare(app, spec, getattr(node_routes, spec.answer), role(spec.role))
+        _declare(app, spec, getattr(node_routes, spec.answer), role(spec.role, spec.session_ok))
 
     @app.post(
         "/v1/nodes/deregister", response_model=NodeInfo, responses=_ERRORS, tags=["nodes"], openapi_extra=_SIGNED_ROUTE
@@ -263,6 +279,7 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
     async def deregister(node: Annotated[tuple, Depends(role(None))]) -> Response:
         """A node signs off: it is marked dead now and its open assignments are handed out again."""
         svc.registry.leave(node[0])
+        svc.auth.sessions.end(node[0])
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node[0]])[0])
 
@@ -416,7 +433,7 @@ def _declare(app: FastAPI, spec: NodeRoute, answer: Callable[..., bytes], node: 
         description=spec.description,
         responses={**_ERRORS, **{code: {"description": text} for code, text in spec.responses}},
         tags=["nodes" if spec.role is None else "work"],
-        openapi_extra=_SIGNED_ROUTE,
+        openapi_extra=_SESSION_ROUTE if spec.session_ok else _SIGNED_ROUTE,
     )
 
 
@@ -425,8 +442,8 @@ def _openapi(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schemes = {
-            name: {"type": "apiKey", "in": "header", "name": _HEADERS[name], "description": text}
-            for name, text in _SIGNED.items()
+            name: {"type": "apiKey", "in": "header", "name": header, "description": text}
+            for name, (header, text) in _SCHEMES.items()
         }
         schemes["AdminToken"] = {"type": "http", "scheme": "bearer", "description": "orchestrator.admin_token"}
         schema.setdefault("components", {})["securitySchemes"] = schemes

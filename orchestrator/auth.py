@@ -1,10 +1,18 @@
-"""Who may call what: signed node requests (docs/design.md section 8), the admin bearer token, and the per-node rate
-limit on batch announcements.
+"""Who may call what: signed node requests (docs/design.md section 8), session keys for heartbeats, the admin bearer
+token, and the per-node rate limit on batch announcements.
 
 A signed request is refused with 401 when a header is missing or malformed, the key is weak (a point of small
 order or a non-canonical encoding, `bridge.protocol.weak_public_key`), the timestamp is more than
 `max_clock_skew_s` off the service's clock, the nonce was seen within that window, or the signature does not
 verify; and with 403 when the (authentic) key is unknown or banned, which the caller checks after `verify`.
+
+Session keys (`SessionTable`). An admitted node may open a session with a signed request that carries a fresh
+X25519 public key; it gets a random 32-byte key sealed to that public key, which nobody who only watched the
+exchange can open. Routes that allow it (the heartbeat alone) then take X-Session and X-Mac (HMAC-SHA256 of the
+same signing string under that key) in place of X-Signature, with the same timestamp and nonce checks; every
+other route still takes a signature only, so whatever a node commits itself to (a batch, a verdict) stays signed
+with its identity key. Sessions live in memory: one per node (a new one ends the old), ended by deregistration,
+refused once expired, and all gone after a restart, when the node's MAC is answered 401 and it signs again.
 
 Replays across a restart. Nonces are held in memory while the service runs; a clean stop writes the unexpired
 ones to the database (`stop_run`) and the next start reloads them (`start_run`), so a request seen before the
@@ -19,19 +27,24 @@ from __future__ import annotations
 import hmac
 import math
 import re
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import nacl.public
 from fastapi import HTTPException, Request
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.protocol.signing import (
     HEADER_KEY,
+    HEADER_MAC,
     HEADER_NONCE,
+    HEADER_SESSION,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    session_mac,
     verify_signature,
     weak_public_key,
 )
@@ -41,6 +54,8 @@ _KEY = re.compile(r"[0-9a-f]{64}")
 _SIGNATURE = re.compile(r"[0-9a-f]{128}")
 _NONCE = re.compile(r"[0-9a-f]{16,64}")
 _TIMESTAMP = re.compile(r"[0-9]{1,16}")
+_SESSION = re.compile(r"[0-9a-f]{32}")
+_MAC = re.compile(r"[0-9a-f]{64}")
 
 
 def unauthorized(reason: str) -> HTTPException:
@@ -79,6 +94,49 @@ class NonceCache:
         return list(self._order)
 
 
+@dataclass(frozen=True)
+class NodeSession:
+    node: str
+    secret: bytes
+    expires: float
+
+
+class SessionTable:
+    """The open sessions: at most one per node, so the table is never larger than the pool."""
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float]):
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._by_id: dict[str, NodeSession] = {}
+        self._by_node: dict[str, str] = {}
+
+    def open(self, node: str, box_key: str) -> tuple[str, bytes, float]:
+        """A new session of `node` (its previous one ends): (id, the key sealed to `box_key`, expiry)."""
+        self.end(node)
+        secret, session = secrets.token_bytes(32), secrets.token_hex(16)
+        sealed = nacl.public.SealedBox(nacl.public.PublicKey(bytes.fromhex(box_key))).encrypt(secret)
+        expires = self.clock() + self.ttl_s
+        self._by_id[session], self._by_node[node] = NodeSession(node, secret, expires), session
+        return session, sealed, expires
+
+    def get(self, session: str, node: str, now: float) -> NodeSession | None:
+        """`node`'s session `session` if it is open and unexpired."""
+        found = self._by_id.get(session)
+        return found if found is not None and found.node == node and now < found.expires else None
+
+    def end(self, node: str) -> None:
+        session = self._by_node.pop(node, None)
+        if session is not None:
+            del self._by_id[session]
+
+    def prune(self, now: float) -> None:
+        for node in [s.node for s in self._by_id.values() if s.expires <= now]:
+            self.end(node)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
 def start_run(db: sessionmaker[Session], nonces: NonceCache, now: float, max_skew_s: float) -> tuple[int, float]:
     """Record this start: (its run id, the newest timestamp to refuse). After a clean stop the nonces it saved go
     back into `nonces` (nothing is refused); after an unclean one, stamps up to now + max_skew_s are refused."""
@@ -114,11 +172,12 @@ def request_target(scope: dict) -> bytes:
 
 
 class Authenticator:
-    def __init__(self, max_skew_s: float, admin_token: str | None, clock: Callable[[], float]):
+    def __init__(self, max_skew_s: float, admin_token: str | None, clock: Callable[[], float], session_ttl_s: float):
         self.max_skew_s = max_skew_s
         self.admin_token = admin_token
         self.clock = clock
         self.nonces = NonceCache()
+        self.sessions = SessionTable(session_ttl_s, clock)
         self.refuse_up_to = 0.0  # set by start_run after an unclean stop: older stamps may be replays
 
     def verify(
@@ -130,24 +189,39 @@ class Authenticator:
         stamp: str | None,
         nonce: str | None,
         signature: str | None,
+        session: str | None = None,
+        mac: str | None = None,
+        session_ok: bool = False,
     ) -> str:
         """The hex key of the node that signed the request `method target` (the path and query as sent, see
-        `request_target`) with `body` (the four header values given); 401 otherwise.
+        `request_target`) with `body` (the header values given), or authenticated it with its session key where
+        the route takes one (`session_ok`); 401 otherwise.
 
         The ed25519 check (about 0.1 ms of CPU, the largest part of a heartbeat's) runs on the event loop:
         measured at 1,000 nodes, handing it to threads (it releases the GIL) cost more in thread hand-offs and
         GIL convoys than it saved, p50 latency 46 ms against 15 ms inline."""
-        values = {HEADER_KEY: key, HEADER_TIMESTAMP: stamp, HEADER_NONCE: nonce, HEADER_SIGNATURE: signature}
+        by_session = not signature and bool(session or mac)
+        if signature and (session or mac):
+            raise unauthorized(f"send {HEADER_SIGNATURE}, or {HEADER_SESSION} and {HEADER_MAC}: not both")
+        if by_session and not session_ok:
+            raise unauthorized(
+                f"this route takes an ed25519 signature ({HEADER_SIGNATURE}); "
+                "a session key authenticates heartbeats only"
+            )
+        values = {HEADER_KEY: key, HEADER_TIMESTAMP: stamp, HEADER_NONCE: nonce}
+        values.update({HEADER_SESSION: session, HEADER_MAC: mac} if by_session else {HEADER_SIGNATURE: signature})
         missing = [name for name, value in values.items() if not value]
         if missing:
             raise unauthorized(f"missing signature header(s): {', '.join(missing)}")
-        for name, value, pattern, what in (
-            (HEADER_KEY, key, _KEY, "64 lowercase hex characters"),
-            (HEADER_TIMESTAMP, stamp, _TIMESTAMP, "unix milliseconds"),
-            (HEADER_NONCE, nonce, _NONCE, "16 to 64 lowercase hex characters"),
-            (HEADER_SIGNATURE, signature, _SIGNATURE, "128 lowercase hex characters"),
+        for name, pattern, what in (
+            (HEADER_KEY, _KEY, "64 lowercase hex characters"),
+            (HEADER_TIMESTAMP, _TIMESTAMP, "unix milliseconds"),
+            (HEADER_NONCE, _NONCE, "16 to 64 lowercase hex characters"),
+            (HEADER_SIGNATURE, _SIGNATURE, "128 lowercase hex characters"),
+            (HEADER_SESSION, _SESSION, "32 lowercase hex characters"),
+            (HEADER_MAC, _MAC, "64 lowercase hex characters"),
         ):
-            if not pattern.fullmatch(value):
+            if name in values and not pattern.fullmatch(values[name]):
                 raise unauthorized(f"malformed {name}: expected {what}")
         weak = weak_public_key(key)
         if weak is not None:
@@ -167,7 +241,20 @@ class Authenticator:
                 f"request stamped before {self.refuse_up_to:.3f}: sign it again in {wait} s",
                 headers={"Retry-After": str(wait)},
             )
-        if not verify_signature(key, signature, method, target.decode("latin-1"), stamp, nonce, body):
+        if by_session:
+            found = self.sessions.get(session, key, now)
+            if found is None:
+                raise unauthorized(
+                    f"unknown or expired session {HEADER_SESSION} for this {HEADER_KEY}: sign the request, or open "
+                    "a new session (POST /v1/nodes/session)"
+                )
+            expected = session_mac(found.secret, method, target.decode("latin-1"), stamp, nonce, body)
+            if not hmac.compare_digest(expected, mac):
+                raise unauthorized(
+                    f"bad MAC: {HEADER_MAC} is not HMAC-SHA256 under the session key of "
+                    "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"
+                )
+        elif not verify_signature(key, signature, method, target.decode("latin-1"), stamp, nonce, body):
             raise unauthorized(
                 f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
                 "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"

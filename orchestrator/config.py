@@ -61,6 +61,8 @@ class OrchestratorConfig(Section):
     """Hex public keys that may register as validators (None: any key; trusted pools only, an open pool lists them)."""
     max_clock_skew_s: float = Field(30.0, gt=0)
     """Largest difference between a signed request's timestamp and the service's clock, in seconds."""
+    session_ttl_s: float = Field(3600.0, ge=0)
+    """Lifetime of a node's session key, which authenticates its heartbeats in place of a signature (0: off)."""
     assignment_deadline_s: float | None = Field(None, gt=0)
     """Seconds to announce an assignment's batch before it expires (None: max tokens / generation_tokens_per_s)."""
     generation_tokens_per_s: float = Field(10.0, gt=0)

@@ -38,9 +38,18 @@ from bridge.protocol.messages import (
     ClaimResponse,
     HeartbeatRequest,
     HeartbeatResponse,
+    SessionRequest,
+    SessionResponse,
     Verdict,
 )
-from bridge.protocol.signing import HEADER_KEY, HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
+from bridge.protocol.signing import (
+    HEADER_KEY,
+    HEADER_MAC,
+    HEADER_NONCE,
+    HEADER_SESSION,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+)
 from orchestrator.auth import request_target
 from orchestrator.durability import tracking_commits
 from orchestrator.guards import BodyError, decode_json, is_json_content_type
@@ -50,7 +59,8 @@ if TYPE_CHECKING:
 
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
 _HEADERS = tuple(
-    name.lower().encode("latin-1") for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE)
+    name.lower().encode("latin-1")
+    for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE, HEADER_SESSION, HEADER_MAC)
 )
 _JSON = (b"content-type", b"application/json")
 log = logging.getLogger("orchestrator")
@@ -69,6 +79,7 @@ class NodeRoute:
     empty_body: BaseModel | None = None  # the body a request without one stands for (None: a body is required)
     responses: tuple[tuple[int, str], ...] = ()  # status codes beyond the common ones, for the OpenAPI document
     description: str = ""
+    session_ok: bool = False  # a session key may authenticate it in place of a signature (auth.py)
 
 
 NODE_ROUTES = (
@@ -78,7 +89,19 @@ NODE_ROUTES = (
         HeartbeatResponse,
         None,
         "heartbeat",
-        description="A node's liveness; a worker's reply lists its open assignments (a new one when there is room).",
+        description="A node's liveness; a worker's reply lists its open assignments (a new one when there is room). "
+        "Signed, or authenticated with the node's session key (X-Session and X-Mac).",
+        session_ok=True,
+    ),
+    NodeRoute(
+        "/v1/nodes/session",
+        SessionRequest,
+        SessionResponse,
+        None,
+        "open_session",
+        responses=((403, "unknown or banned node, or sessions are off"),),
+        description="A session key for the node's heartbeats, sealed to the X25519 `box_key` (a new session ends the "
+        "node's previous one). Heartbeats may then carry X-Session and X-Mac in place of X-Signature.",
     ),
     NodeRoute(
         "/v1/batches",
@@ -108,6 +131,8 @@ NODE_ROUTES = (
         description="A validator's judgement of a batch it claimed.",
     ),
 )
+
+SESSION_ROUTES = tuple(spec.path for spec in NODE_ROUTES if spec.session_ok)
 
 
 async def read_body(receive: Callable, max_bytes: int) -> bytes | None:
@@ -228,7 +253,11 @@ class NodeLane:
         with tracking_commits() as committed:
             try:
                 key = self.svc.auth.verify(
-                    method, target, body, *(v.decode("latin-1") if v is not None else None for v in values)
+                    method,
+                    target,
+                    body,
+                    *(v.decode("latin-1") if v is not None else None for v in values),
+                    session_ok=found.spec.session_ok,
                 )
                 node = self.routes.node_in_role(key, found.spec.role)
                 payload = found.answer(key, node, request, *found.params)

@@ -26,6 +26,8 @@ from bridge.protocol.messages import (
     HeartbeatRequest,
     PolicyInfo,
     PoolRequirements,
+    SessionRequest,
+    SessionResponse,
     Verdict,
 )
 from orchestrator.auth import Authenticator, RateLimiter, start_run, stop_run
@@ -110,7 +112,7 @@ class Orchestrator:
             deadline_s=cfg.deadline_s(run.max_tokens),
             unproven_share=cfg.unproven_share,
         )
-        self.auth = Authenticator(cfg.max_clock_skew_s, cfg.admin_token, clock)
+        self.auth = Authenticator(cfg.max_clock_skew_s, cfg.admin_token, clock, cfg.session_ttl_s)
         self.run_id, self.auth.refuse_up_to = start_run(self.db, self.auth.nonces, clock(), cfg.max_clock_skew_s)
         if self.wal is not None:  # the start is on disk before any request: a crash from now on is seen as one
             self.wal._fsync()
@@ -155,7 +157,7 @@ class Orchestrator:
 
     def sweep(self, flush: bool = False) -> None:
         """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
-        now), assignments past their deadline (scheduler.py), and forgetting expired nonces."""
+        now), assignments past their deadline (scheduler.py), and forgetting expired nonces and sessions."""
         for key in self.registry.sweep(flush):
             log.warning("node %s... is dead; its open assignments are released", key[:16])
         for key, wid in self.scheduler.expire():
@@ -169,6 +171,7 @@ class Orchestrator:
         if self.clock() - self._pruned >= 60:
             self.limiter.prune()
             self.register_limiter.prune()
+            self.auth.sessions.prune(self.clock())
             self._pruned = self.clock()
 
     def close(self) -> None:
@@ -183,8 +186,9 @@ class NodeRoutes:
     """What the node routes do once a request is authentic and its body valid, shared by the FastAPI routes
     and the fast lane (fast_lane.py). Each returns the JSON reply."""
 
-    def __init__(self, svc: Orchestrator):
+    def __init__(self, svc: Orchestrator, session_routes: Sequence[str] = ()):
         self.svc = svc
+        self.session_routes = list(session_routes)
 
     def node_in_role(self, key: str, required: str | None) -> LiveNode:
         """The node of an authentic key; 403 if unknown, banned, or not a `required`."""
@@ -207,6 +211,18 @@ class NodeRoutes:
         record, expires = self.svc.scheduler.claim(key, body.lease_s)
         pin = None if record is None else self.svc.scheduler.manifests.get(record.version)
         return ClaimResponse(batch=record, lease_expires_at=expires, manifest_sha256=pin).model_dump_json().encode()
+
+    def open_session(self, key: str, _node: LiveNode, body: SessionRequest) -> bytes:
+        """A session key for the node's heartbeats, sealed to `box_key` (its previous session ends); 403 when
+        sessions are off. Which routes take it is the `session_ok` entries of NODE_ROUTES (fast_lane.py)."""
+        sessions = self.svc.auth.sessions
+        if sessions.ttl_s <= 0:
+            raise HTTPException(403, "sessions are off on this service (orchestrator.session_ttl_s = 0): sign requests")
+        session, sealed, expires = sessions.open(key, body.box_key)
+        reply = SessionResponse(
+            session=session, sealed_key=sealed.hex(), expires_at=expires, routes=self.session_routes
+        )
+        return reply.model_dump_json().encode()
 
     def verdict(self, key: str, _node: LiveNode, body: Verdict, batch_id: str) -> bytes:
         record, new = self.svc.scheduler.verdict(key, batch_id, body)

@@ -1,6 +1,13 @@
 """The clients of the orchestrator's API that workers, validators and the learner use: `OrchestratorClient`
 (blocking, httpx) and `AsyncOrchestratorClient` (aiohttp), both built on one table of routes (`_Routes`), with
 signed node requests (`bridge.protocol.signing`) and retries with jittered exponential backoff (`RetryPolicy`).
+
+A node's client opens a session (`POST /v1/nodes/session`) before its first heartbeat and authenticates its
+heartbeats with the session key from then on (X-Session, X-Mac), renewing it after three quarters of its
+lifetime; everything else it signs. A heartbeat whose session the service no longer knows (it restarted, or the
+session expired) is answered 401 and sent again at once, signed; the next one opens a new session. Where the
+service offers no sessions (an older one, or orchestrator.session_ttl_s = 0), the client signs every request and
+asks again every `SESSION_RETRY_S`.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+import nacl.exceptions
+import nacl.public
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ValidationError
 
@@ -38,9 +47,13 @@ from bridge.protocol.messages import (
     RegisterRequest,
     RegisterResponse,
     Role,
+    SessionRequest,
+    SessionResponse,
     Verdict,
 )
-from bridge.protocol.signing import public_key_hex, sign_request
+from bridge.protocol.signing import public_key_hex, session_headers, sign_request
+
+SESSION_RETRY_S = 300.0  # after a refused or failed session opening, sign for this long before asking again
 
 
 class OrchestratorError(Exception):
@@ -50,6 +63,18 @@ class OrchestratorError(Exception):
         self.status, self.detail, self.method, self.target = status, detail, method, target
         where = f"{method} {target}"
         super().__init__(f"{where}: HTTP {status}: {detail}" if status else f"{where}: {detail}")
+
+
+class _SessionRefused(OrchestratorError):
+    """401 to a request authenticated with the session key: the client drops the session and signs it again."""
+
+
+@dataclass(frozen=True)
+class _NodeSession:
+    session: str
+    secret: bytes
+    expires_at: float
+    routes: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -81,6 +106,7 @@ class _Call:
     body: BaseModel | None = None
     params: Mapping[str, Any] | None = None
     auth: Literal["node", "admin", "none"] = "none"
+    session_ok: bool = False  # worth opening a session for (the service names the routes that take one)
 
 
 class _Routes:
@@ -103,7 +129,7 @@ class _Routes:
         self, loaded_versions: Iterable[int] = (), metrics: Mapping[str, float] | None = None
     ) -> HeartbeatResponse:
         body = HeartbeatRequest(loaded_versions=list(loaded_versions), metrics=dict(metrics or {}))
-        return self._call(_Call("POST", "/v1/nodes/heartbeat", HeartbeatResponse, body, auth="node"))
+        return self._call(_Call("POST", "/v1/nodes/heartbeat", HeartbeatResponse, body, auth="node", session_ok=True))
 
     def deregister(self) -> NodeInfo:
         """Sign off: the node is marked dead and its open assignments go back to the queue."""
@@ -185,24 +211,68 @@ class _Base(_Routes):
         self.admin_token = admin_token
         self.retry = retry
         self._rng = random.Random(seed)
+        self._node_session: _NodeSession | None = None
+        self._session_due_at = 0.0  # when to open (or renew) a session, on this client's clock
 
-    def _encode(self, call: _Call) -> tuple[str, bytes, dict[str, str]]:
-        """(request target, body, headers): signed (node) or with the bearer token (admin, when one is set).
-        The target is sent exactly as signed."""
+    @property
+    def session_id(self) -> str | None:
+        """The id of the session the client's heartbeats are authenticated with, if one is open."""
+        return self._node_session.session if self._node_session is not None else None
+
+    def _wants_session(self, call: _Call) -> bool:
+        return call.session_ok and self.key is not None and self.clock() >= self._session_due_at
+
+    def _session_call(self) -> tuple[_Call, nacl.public.PrivateKey]:
+        box = nacl.public.PrivateKey.generate()
+        body = SessionRequest(box_key=bytes(box.public_key).hex())
+        return _Call("POST", "/v1/nodes/session", SessionResponse, body, auth="node"), box
+
+    def _session_opened(self, box: nacl.public.PrivateKey, reply: SessionResponse | None) -> None:
+        """Keep the session of `reply` (None: the opening failed; sign until SESSION_RETRY_S from now)."""
+        now = self.clock()
+        try:
+            secret = nacl.public.SealedBox(box).decrypt(bytes.fromhex(reply.sealed_key)) if reply else None
+        except (ValueError, nacl.exceptions.CryptoError):
+            secret = None
+        if secret is None:
+            self._session_due_at = now + SESSION_RETRY_S
+            return
+        self._node_session = _NodeSession(reply.session, secret, reply.expires_at, frozenset(reply.routes))
+        self._session_due_at = now + 0.75 * max(0.0, reply.expires_at - now)
+
+    def _encode(self, call: _Call) -> tuple[str, bytes, dict[str, str], bool]:
+        """(request target, body, headers, whether the session key authenticates it): signed or with the session
+        key (node), or with the bearer token (admin, when one is set). The target is sent exactly as signed."""
         target = call.path + (f"?{urllib.parse.urlencode(call.params)}" if call.params else "")
         content = call.body.model_dump_json().encode() if call.body is not None else b""
         headers = {"Content-Type": "application/json"} if call.body is not None else {}
         if call.auth == "admin" and self.admin_token:
             headers["Authorization"] = f"Bearer {self.admin_token}"
+        by_session = False
         if call.auth == "node":
             if self.key is None:
                 raise ValueError(f"{call.method} {call.path} is signed by a node: give the client a key")
-            headers.update(sign_request(self.key, call.method, target, content, timestamp_ms=int(self.clock() * 1000)))
-        return target, content, headers
+            now, session = self.clock(), self._node_session
+            by_session = session is not None and call.path in session.routes and now < session.expires_at
+            if by_session:
+                headers.update(
+                    session_headers(
+                        self.node_key, session.session, session.secret, call.method, target, content, int(now * 1000)
+                    )
+                )
+            else:
+                headers.update(sign_request(self.key, call.method, target, content, timestamp_ms=int(now * 1000)))
+        return target, content, headers, by_session
 
-    def _outcome(self, call: _Call, status: int, headers: Mapping[str, str], body: bytes) -> tuple[bool, Any]:
+    def _outcome(
+        self, call: _Call, status: int, headers: Mapping[str, str], body: bytes, by_session: bool = False
+    ) -> tuple[bool, Any]:
         """(True, the parsed reply), or (False, Retry-After seconds or None) for a retryable status; raises
-        OrchestratorError for any other error status."""
+        OrchestratorError for any other error status (_SessionRefused, after dropping the session, for a 401 to
+        a request the session key authenticated)."""
+        if status == 401 and by_session:
+            self._node_session, self._session_due_at = None, 0.0
+            raise _SessionRefused(status, "session refused", call.method, call.path)
         if status in _RETRY_STATUS:
             after = headers.get("Retry-After", "")
             return False, float(after) if after.replace(".", "", 1).isdigit() else None
@@ -260,16 +330,28 @@ class OrchestratorClient(_Base):
         self._sleep = sleep
 
     def _call(self, call: _Call) -> Any:
+        if self._wants_session(call):
+            opening, box = self._session_call()
+            try:
+                self._session_opened(box, self._attempts(opening))
+            except OrchestratorError:
+                self._session_opened(box, None)
+        try:
+            return self._attempts(call)
+        except _SessionRefused:
+            return self._attempts(call)  # signed this time
+
+    def _attempts(self, call: _Call) -> Any:
         last = ""
         for attempt in range(self.retry.attempts):
             retry_after = None
-            target, content, headers = self._encode(call)
+            target, content, headers, by_session = self._encode(call)
             try:
                 response = self._http.request(call.method, self.base_url + target, content=content, headers=headers)
             except self._network_errors as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
-                done, value = self._outcome(call, response.status_code, response.headers, response.content)
+                done, value = self._outcome(call, response.status_code, response.headers, response.content, by_session)
                 if done:
                     return value
                 retry_after, last = value, f"HTTP {response.status_code}"
@@ -325,6 +407,18 @@ class AsyncOrchestratorClient(_Base):
         self._owned = session is None
 
     async def _call(self, call: _Call) -> Any:
+        if self._wants_session(call):
+            opening, box = self._session_call()
+            try:
+                self._session_opened(box, await self._attempts(opening))
+            except OrchestratorError:
+                self._session_opened(box, None)
+        try:
+            return await self._attempts(call)
+        except _SessionRefused:
+            return await self._attempts(call)  # signed this time
+
+    async def _attempts(self, call: _Call) -> Any:
         import aiohttp
         import yarl
 
@@ -333,7 +427,7 @@ class AsyncOrchestratorClient(_Base):
         last = ""
         for attempt in range(self.retry.attempts):
             retry_after = None
-            target, content, headers = self._encode(call)
+            target, content, headers, by_session = self._encode(call)
             url = yarl.URL(self.base_url + target, encoded=True)  # sent exactly as signed
             try:
                 async with self._session.request(
@@ -343,7 +437,7 @@ class AsyncOrchestratorClient(_Base):
             except self._network_errors as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
-                done, value = self._outcome(call, status, reply_headers, body)
+                done, value = self._outcome(call, status, reply_headers, body, by_session)
                 if done:
                     return value
                 retry_after, last = value, f"HTTP {status}"

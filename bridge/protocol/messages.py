@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from bridge.protocol.signing import weak_box_key
 
 PROTOCOL_VERSION = 1
 
@@ -136,6 +138,27 @@ class RegisterResponse(Reply):
     requirements: PoolRequirements
     challenge: Challenge | None = None
     policy: PolicyInfo
+
+
+class SessionRequest(Request):
+    box_key: Hex64 = Field(
+        description="a fresh X25519 public key of the node's; the session key comes back sealed to it"
+    )
+
+    @field_validator("box_key")
+    @classmethod
+    def _not_weak(cls, value: str) -> str:
+        reason = weak_box_key(value)
+        if reason is not None:
+            raise ValueError(f"box_key is {reason}: use a key made by X25519 key generation")
+        return value
+
+
+class SessionResponse(Reply):
+    session: str = Field(description="the session id, sent as X-Session")
+    sealed_key: str = Field(description="hex sealed box (X25519, XSalsa20-Poly1305) of the 32-byte session key")
+    expires_at: float = Field(description="unix seconds after which the session is refused; open a new one before")
+    routes: list[str] = Field(description="the routes that take X-Session and X-Mac in place of X-Signature")
 
 
 class HeartbeatRequest(Request):

@@ -10,23 +10,35 @@ exactly as sent on the wire, the path followed by `?QUERY` when there is a query
 and the body hash is taken over the raw body bytes (empty body: the hash of b""). The server accepts a
 timestamp at most orchestrator.max_clock_skew_s (30 s) off its clock and each nonce once. Operators and the
 learner use `Authorization: Bearer <token>` instead.
+
+Heartbeats, nine requests in ten, may instead be authenticated with a session key: a node sends
+`POST /v1/nodes/session` (signed) with a fresh X25519 public key, the service answers with a random 32-byte key
+sealed to it (libsodium's sealed box), and the node's heartbeats then carry
+
+    X-Session    the session id            X-Mac        hex HMAC-SHA256(session key, signing string)
+
+in place of X-Signature (`session_mac`), with the same X-Node-Key, X-Timestamp and X-Nonce rules. Checking a MAC
+costs the service about a twentieth of an ed25519 verification.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import os
 import secrets
 import time
 from pathlib import Path
 
+import nacl.bindings
 import nacl.exceptions
 import nacl.signing
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE = "X-Node-Key", "X-Timestamp", "X-Nonce", "X-Signature"
+HEADER_SESSION, HEADER_MAC = "X-Session", "X-Mac"
 
 
 def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
@@ -75,6 +87,26 @@ def sign_request(
     }
 
 
+def session_mac(secret: bytes, method: str, target: str, timestamp_ms: int | str, nonce: str, body: bytes) -> str:
+    """Hex HMAC-SHA256 of the signing string under a session key: what X-Mac carries."""
+    return hmac.digest(secret, signing_string(method, target, timestamp_ms, nonce, body), "sha256").hex()
+
+
+def session_headers(
+    node_key: str, session: str, secret: bytes, method: str, target: str, body: bytes, timestamp_ms: int | None = None
+) -> dict[str, str]:
+    """The headers of one request authenticated with a session key instead of a signature."""
+    timestamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+    nonce = secrets.token_hex(16)
+    return {
+        HEADER_KEY: node_key,
+        HEADER_TIMESTAMP: str(timestamp_ms),
+        HEADER_NONCE: nonce,
+        HEADER_SESSION: session,
+        HEADER_MAC: session_mac(secret, method, target, timestamp_ms, nonce, body),
+    }
+
+
 _P25519 = 2**255 - 19
 _Y8 = 0x7A03AC9277FDC74EC6CC392CFA53202A0F67100D760B3CBA4FD84D3D706A17C7
 # y of the curve's 8 points of small order (x follows from y up to its sign). With one of them as the public key,
@@ -94,6 +126,22 @@ def weak_public_key(node_key: str) -> str | None:
         return "a non-canonical encoding (y >= 2**255 - 19)"
     if y in _SMALL_ORDER_Y:  # x = 0 with the sign bit set (non-canonical) only occurs with y = 1 or -1
         return "a point of small order, for which signatures prove nothing"
+    return None
+
+
+def weak_box_key(box_key: str) -> str | None:
+    """Why the hex X25519 public key `box_key` is refused, or None: a non-canonical encoding (u >= 2**255 - 19, or
+    the top bit set) or a point of small order, for which a sealed box could be opened by anyone (libsodium
+    refuses the exchange: its shared secret would be all zeros)."""
+    raw = bytes.fromhex(box_key)
+    if len(raw) != 32:
+        return "not 32 bytes"
+    if int.from_bytes(raw, "little") >= _P25519:
+        return "a non-canonical encoding (u >= 2**255 - 19)"
+    try:
+        nacl.bindings.crypto_scalarmult(secrets.token_bytes(32), raw)
+    except (RuntimeError, nacl.exceptions.CryptoError):
+        return "a point of small order"
     return None
 
 
