@@ -5,9 +5,9 @@ signed node requests (`bridge.protocol.signing`) and retries with jittered expon
 A node's client opens a session (`POST /v1/nodes/session`) before its first heartbeat and authenticates its
 heartbeats with the session key from then on (X-Session, X-Mac), renewing it after three quarters of its
 lifetime; everything else it signs. A heartbeat whose session the service no longer knows (it restarted, or the
-session expired) is answered 401 and sent again at once, signed; the next one opens a new session. Where the
-service offers no sessions (an older one, or orchestrator.session_ttl_s = 0), the client signs every request and
-asks again every `SESSION_RETRY_S`.
+session expired) is answered 401 and sent again at once, signed; the next one opens a new session (after
+`SESSION_RETRY_S` if that session never worked). Where the service offers no sessions (an older one, or
+orchestrator.session_ttl_s = 0), the client signs every request and asks again every `SESSION_RETRY_S`.
 """
 
 from __future__ import annotations
@@ -213,6 +213,7 @@ class _Base(_Routes):
         self._rng = random.Random(seed)
         self._node_session: _NodeSession | None = None
         self._session_due_at = 0.0  # when to open (or renew) a session, on this client's clock
+        self._session_worked = False  # a request authenticated with the current session was answered
 
     @property
     def session_id(self) -> str | None:
@@ -238,6 +239,7 @@ class _Base(_Routes):
             self._session_due_at = now + SESSION_RETRY_S
             return
         self._node_session = _NodeSession(reply.session, secret, reply.expires_at, frozenset(reply.routes))
+        self._session_worked = False
         self._session_due_at = now + 0.75 * max(0.0, reply.expires_at - now)
 
     def _encode(self, call: _Call) -> tuple[str, bytes, dict[str, str], bool]:
@@ -270,9 +272,12 @@ class _Base(_Routes):
         """(True, the parsed reply), or (False, Retry-After seconds or None) for a retryable status; raises
         OrchestratorError for any other error status (_SessionRefused, after dropping the session, for a 401 to
         a request the session key authenticated)."""
-        if status == 401 and by_session:
-            self._node_session, self._session_due_at = None, 0.0
+        if by_session and status == 401:  # a session that worked before is renewed at once (a restart forgot it)
+            self._node_session = None
+            self._session_due_at = 0.0 if self._session_worked else self.clock() + SESSION_RETRY_S
             raise _SessionRefused(status, "session refused", call.method, call.path)
+        if by_session and status < 400:
+            self._session_worked = True
         if status in _RETRY_STATUS:
             after = headers.get("Retry-After", "")
             return False, float(after) if after.replace(".", "", 1).isdigit() else None

@@ -264,3 +264,72 @@ def test_admin_calls_carry_the_bearer_token_and_query():
     assert captured[0].headers["Authorization"] == "Bearer s3cret"
     assert captured[0].url.params == httpx.QueryParams({"status": "accepted", "min_version": "2", "after": "5"})
     assert "X-Signature" not in captured[0].headers
+
+
+class _SessionService:
+    """A mock service that opens real sessions (sealed keys) and checks MACs with hmac, as the orchestrator states
+    it; `refuse_macs` makes it answer every MAC 401 (a proxy that drops the headers, or a restart each time)."""
+
+    def __init__(self, refuse_macs: bool = False):
+        self.refuse_macs = refuse_macs
+        self.secrets: dict[str, bytes] = {}
+        self.log: list[tuple[str, str]] = []  # (path, how it was authenticated)
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        import hmac
+
+        import nacl.public
+
+        h = request.headers
+        how = "mac" if "x-mac" in h else "signature" if "x-signature" in h else "none"
+        self.log.append((request.url.path, how))
+        if request.url.path == "/v1/nodes/session":
+            session, secret = f"{len(self.secrets):032x}", bytes([len(self.secrets)]) * 32
+            self.secrets[session] = secret
+            box = nacl.public.PublicKey(bytes.fromhex(json.loads(request.content)["box_key"]))
+            sealed = nacl.public.SealedBox(box).encrypt(secret).hex()
+            reply = {"session": session, "sealed_key": sealed, "expires_at": 4e9, "routes": ["/v1/nodes/heartbeat"]}
+            return httpx.Response(200, json=reply)
+        if how == "mac":
+            message = "\n".join(
+                ["POST", request.url.path, h["x-timestamp"], h["x-nonce"], hashlib.sha256(request.content).hexdigest()]
+            )
+            secret = self.secrets.get(h["x-session"])
+            good = secret is not None and hmac.new(secret, message.encode(), "sha256").hexdigest() == h["x-mac"]
+            if self.refuse_macs or not good:
+                return httpx.Response(401, json={"detail": "unknown or expired session"})
+        beat = {"state": "healthy", "policy": POLICY, "assignments": [], "heartbeat_interval_s": 10}
+        return httpx.Response(200, json=beat)
+
+
+def test_the_client_heartbeats_with_its_session_and_renews_one_a_restart_forgot():
+    service = _SessionService()
+    client, sleeps = _client(service)
+    for _ in range(3):
+        assert client.heartbeat().state == "healthy"
+    assert service.log == [("/v1/nodes/session", "signature")] + [("/v1/nodes/heartbeat", "mac")] * 3
+    service.secrets.clear()  # the service restarted: it knows no session
+    service.log.clear()
+    for _ in range(2):
+        assert client.heartbeat().state == "healthy"
+    assert service.log == [
+        ("/v1/nodes/heartbeat", "mac"),  # refused: 401
+        ("/v1/nodes/heartbeat", "signature"),  # sent again at once, signed
+        ("/v1/nodes/session", "signature"),  # the next heartbeat opens a new session first
+        ("/v1/nodes/heartbeat", "mac"),
+    ]
+    assert sleeps == []
+
+
+def test_a_session_that_never_works_is_not_opened_again_for_a_while():
+    service = _SessionService(refuse_macs=True)
+    now = [1000.0]
+    client, sleeps = _client(service, clock=lambda: now[0])
+    for _ in range(4):
+        assert client.heartbeat().state == "healthy"
+    opened = [path for path, _ in service.log if path == "/v1/nodes/session"]
+    assert len(opened) == 1  # one try, then signed heartbeats only
+    assert [how for path, how in service.log if path == "/v1/nodes/heartbeat"] == ["mac"] + ["signature"] * 4
+    now[0] += protocol.clients.SESSION_RETRY_S
+    assert client.heartbeat().state == "healthy"
+    assert [path for path, _ in service.log].count("/v1/nodes/session") == 2  # asked again after the pause
