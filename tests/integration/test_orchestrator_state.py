@@ -422,3 +422,30 @@ def test_only_listed_keys_validate_and_a_deregistered_node_stays_dead_until_it_b
     pool.svc.sweep()
     assert pool.state_of(worker) == "dead"  # no silence-based revival
     assert worker.heartbeat([0]).state == "healthy"
+
+
+def test_heartbeat_times_are_written_behind_in_turns_each_within_flush_s(tmp_path):
+    """Every node's last heartbeat reaches the database within FLUSH_S (+ one sweep), and a sweep writes only the
+    nodes whose turn it is: about a fifth of the pool per one-second sweep, never all of it at once."""
+    from orchestrator.db import Node
+    from orchestrator.nodes import FLUSH_S
+
+    pool = Pool(tmp_path)
+    nodes = [pool.node("worker") for _ in range(40)]
+    written: list[int] = []
+    for second in range(12):
+        beat_at = pool.clock.t
+        for node in nodes:
+            node.heartbeat()
+        pool.clock.advance(1.0)
+        with pool.svc.db() as s:
+            stored = dict(s.query(Node.key, Node.last_seen))
+        written.append(sum(stored[n.node_key] == beat_at for n in nodes))
+        pool.svc.sweep()
+        with pool.svc.db() as s:
+            stored = dict(s.query(Node.key, Node.last_seen))
+        written[-1] = sum(stored[n.node_key] == beat_at for n in nodes) - written[-1]
+        if second >= FLUSH_S + 1:  # every node's time is at most FLUSH_S + 1 sweep old in the database
+            assert all(beat_at - stored[n.node_key] <= FLUSH_S + 1 for n in nodes), second
+    assert max(written) <= len(nodes) // 2, written  # turns are spread: no sweep writes the whole pool
+    assert sum(written[1:]) >= 2 * len(nodes), written  # yet every node keeps being written
