@@ -11,10 +11,10 @@ work is handed out again. A node that comes back is healthy again and may still 
 assignment: finished work is never thrown away.
 
 The registry keeps every node's key, role, state, ban and last heartbeat in memory (the hot path of every
-request) and writes each change through to the database; only the time of the last heartbeat is written
-behind, every few seconds, as it changes on every heartbeat and is not a record anyone is owed. Each node's turn
-for that comes at its own moment within FLUSH_S (from its key), so a sweep writes a fifth of the pool, not all
-of it every fifth sweep (at 1,200 nodes the whole pool's update held the event loop for 16-50 ms).
+request) and writes each change through to the database, except what a heartbeat changes: the time of the last
+heartbeat and a silent node turning healthy again are written behind, within FLUSH_S (a restart recomputes the
+state from that time, and nothing else reads it back). Each node's turn for that comes at its own moment within
+FLUSH_S (from its key), so every sweep writes a small share of the pool rather than every fifth sweep all of it.
 """
 
 from __future__ import annotations
@@ -169,11 +169,9 @@ class NodeRegistry:
         node = self.live[key]
         if node.state == PENDING:
             raise HTTPException(403, "node not admitted yet: answer the registration challenge")
-        node.last_seen, node.metrics, node.left = self.clock(), metrics, False
-        if node.state != HEALTHY:
-            with self.db.begin() as s:
-                s.execute(update(Node).where(Node.key == key).values(state=HEALTHY, last_seen=node.last_seen))
-            node.state, node.flushed = HEALTHY, node.last_seen
+        # Written behind with the heartbeat time (sweep), not a commit per node: after an outage every node of the
+        # pool comes back at once.
+        node.last_seen, node.metrics, node.left, node.state = self.clock(), metrics, False, HEALTHY
         return node
 
     def sweep(self, flush: bool = False) -> list[str]:

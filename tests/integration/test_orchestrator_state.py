@@ -449,3 +449,33 @@ def test_heartbeat_times_are_written_behind_in_turns_each_within_flush_s(tmp_pat
             assert all(beat_at - stored[n.node_key] <= FLUSH_S + 1 for n in nodes), second
     assert max(written) <= len(nodes) // 2, written  # turns are spread: no sweep writes the whole pool
     assert sum(written[1:]) >= 2 * len(nodes), written  # yet every node keeps being written
+
+
+def test_a_silent_node_is_healthy_at_its_heartbeat_and_in_the_database_within_flush_s(tmp_path):
+    from sqlalchemy import event
+
+    from orchestrator.db import Node
+    from orchestrator.nodes import FLUSH_S
+
+    pool = Pool(tmp_path)
+    node = pool.node("validator")  # a worker's heartbeat may issue an assignment, which commits
+    pool.clock.advance(7.0)  # silent past unhealthy_after_s (6 s)
+    pool.svc.sweep()
+
+    def stored() -> str:
+        with pool.svc.db() as s:
+            return s.get(Node, node.node_key).state
+
+    assert pool.state_of(node) == stored() == "unhealthy"
+    commits = []
+    event.listen(pool.svc.engine, "commit", lambda _conn: commits.append(1))
+    assert node.heartbeat().state == "healthy" and pool.state_of(node) == "healthy"
+    assert commits == []  # no commit of its own: the pool's heartbeats after an outage come all at once
+    for _ in range(int(FLUSH_S) + 1):  # heartbeating each second, written behind at the node's turn
+        pool.clock.advance(1.0)
+        node.heartbeat()
+        pool.svc.sweep()
+    assert stored() == "healthy"
+    pool.clock.advance(7.0)
+    pool.svc.sweep()
+    assert stored() == "unhealthy"  # a change the sweep makes is written through at once
