@@ -47,14 +47,7 @@ from bridge.protocol.messages import (
     RegisterRequest,
     RegisterResponse,
 )
-from bridge.protocol.signing import (
-    HEADER_KEY,
-    HEADER_MAC,
-    HEADER_NONCE,
-    HEADER_SESSION,
-    HEADER_SIGNATURE,
-    HEADER_TIMESTAMP,
-)
+from bridge.protocol.signing import AUTH_HEADERS
 from orchestrator import dashboard
 from orchestrator.auth import request_target
 from orchestrator.config import OrchestratorConfig
@@ -133,17 +126,22 @@ _ERRORS = {
 }
 
 # Security schemes of the OpenAPI document; the checks themselves are in auth.py.
-_SCHEMES = {
-    "NodeKey": (HEADER_KEY, "hex ed25519 public key of the node"),
-    "Timestamp": (HEADER_TIMESTAMP, "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock"),
-    "Nonce": (HEADER_NONCE, "16-64 random lowercase hex characters, used once"),
-    "Signature": (
-        HEADER_SIGNATURE,
-        "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
-    ),
-    "Session": (HEADER_SESSION, "the id of the node's session (POST /v1/nodes/session)"),
-    "Mac": (HEADER_MAC, "hex HMAC-SHA256 under the session key of the string a signature covers"),
-}
+_SCHEMES = dict(
+    zip(
+        ("NodeKey", "Timestamp", "Nonce", "Signature", "Session", "Mac"),
+        zip(
+            AUTH_HEADERS,
+            (
+                "hex ed25519 public key of the node",
+                "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
+                "16-64 random lowercase hex characters, used once",
+                "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
+                "the id of the node's session (POST /v1/nodes/session)",
+                "hex HMAC-SHA256 under the session key of the string a signature covers",
+            ),
+        ),
+    )
+)
 _SIGNED = {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Signature")}
 _SIGNED_ROUTE = {"security": [_SIGNED]}
 _SESSION_ROUTE = {"security": [_SIGNED, {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Session", "Mac")}]}
@@ -200,12 +198,7 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
             request.method,
             request_target(request.scope),
             await request.body(),
-            h.get(HEADER_KEY),
-            h.get(HEADER_TIMESTAMP),
-            h.get(HEADER_NONCE),
-            h.get(HEADER_SIGNATURE),
-            h.get(HEADER_SESSION),
-            h.get(HEADER_MAC),
+            *(h.get(name) for name in AUTH_HEADERS),
             session_ok=session_ok,
         )
 

@@ -42,14 +42,7 @@ from bridge.protocol.messages import (
     SessionResponse,
     Verdict,
 )
-from bridge.protocol.signing import (
-    HEADER_KEY,
-    HEADER_MAC,
-    HEADER_NONCE,
-    HEADER_SESSION,
-    HEADER_SIGNATURE,
-    HEADER_TIMESTAMP,
-)
+from bridge.protocol.signing import AUTH_HEADERS
 from orchestrator.auth import request_target
 from orchestrator.durability import tracking_commits
 from orchestrator.guards import BodyError, decode_json, is_json_content_type
@@ -58,10 +51,7 @@ if TYPE_CHECKING:
     from orchestrator.service import NodeRoutes, Orchestrator
 
 HEARTBEAT_PATH = "/v1/nodes/heartbeat"
-_HEADERS = tuple(
-    name.lower().encode("latin-1")
-    for name in (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE, HEADER_SESSION, HEADER_MAC)
-)
+_HEADERS = tuple(name.lower().encode("latin-1") for name in AUTH_HEADERS)
 _JSON = (b"content-type", b"application/json")
 log = logging.getLogger("orchestrator")
 _PATH_PARAM = re.compile(BATCH_ID_PATTERN)  # the one path parameter of the table's routes is a batch id

@@ -58,6 +58,7 @@ from bridge.protocol.messages import (
     Version,
 )
 from bridge.protocol.signing import (
+    AUTH_HEADERS,
     HEADER_KEY,
     HEADER_MAC,
     HEADER_NONCE,
@@ -75,6 +76,7 @@ from bridge.protocol.signing import (
 )
 
 __all__ = [
+    "AUTH_HEADERS",
     "BATCH_ID_PATTERN",
     "HEADER_KEY",
     "HEADER_MAC",

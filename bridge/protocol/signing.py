@@ -39,6 +39,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE = "X-Node-Key", "X-Timestamp", "X-Nonce", "X-Signature"
 HEADER_SESSION, HEADER_MAC = "X-Session", "X-Mac"
+# every header a node request may authenticate with, in the order the service's check takes their values
+AUTH_HEADERS = (HEADER_KEY, HEADER_TIMESTAMP, HEADER_NONCE, HEADER_SIGNATURE, HEADER_SESSION, HEADER_MAC)
 
 
 def load_or_create_key(path: str | Path) -> Ed25519PrivateKey:
