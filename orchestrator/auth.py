@@ -133,9 +133,6 @@ class SessionTable:
         for node in [s.node for s in self._by_id.values() if s.expires <= now]:
             self.end(node)
 
-    def __len__(self) -> int:
-        return len(self._by_id)
-
 
 def start_run(db: sessionmaker[Session], nonces: NonceCache, now: float, max_skew_s: float) -> tuple[int, float]:
     """Record this start: (its run id, the newest timestamp to refuse). After a clean stop the nonces it saved go
