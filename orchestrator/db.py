@@ -56,7 +56,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -116,6 +116,8 @@ class Work(Base):
         # the whole backlog of submitted batches (a claim cost grew with the backlog before these).
         Index("ix_work_claim_queue", "state", "announced_at", "id"),
         Index("ix_work_claimed_by", "claimed_by", "state"),
+        # The listing of decided batches after a cursor (the learner's poll), read in order without a sort.
+        Index("ix_work_state_seq", "state", "verdict_seq"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -196,6 +198,16 @@ def _v3_to_v4(conn: Connection) -> None:
 
 
 MIGRATIONS[3] = _v3_to_v4
+
+
+def _v4_to_v5(conn: Connection) -> None:
+    """The listing's index of decided batches in verdict order (`Work`)."""
+    for index in Work.__table__.indexes:
+        if index.name == "ix_work_state_seq":
+            index.create(conn, checkfirst=True)
+
+
+MIGRATIONS[4] = _v4_to_v5
 
 
 def sqlite_url(path: str | Path) -> str:

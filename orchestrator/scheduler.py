@@ -37,7 +37,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fastapi import HTTPException
-from sqlalchemy import Engine, bindparam, func, or_, select, update
+from sqlalchemy import Engine, bindparam, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
@@ -80,6 +80,34 @@ _NEXT_CLAIM = (
     .where(W.state == SUBMITTED, or_(W.claimed_by.is_(None), W.lease_expires <= bindparam("now")))
     .order_by(W.announced_at, W.id)
     .limit(1)
+)
+# The listings (the learner polls accepted batches every second): one shape per status, every filter bound (a
+# missing `min_version` binds 0, a missing cursor -1), so each compiles once.
+_LISTED = select(_TABLE).limit(bindparam("limit"))
+_LIST_DECIDED = _LISTED.where(
+    W.state == bindparam("state"), W.version >= bindparam("min_version"), W.verdict_seq > bindparam("after")
+).order_by(W.verdict_seq)
+_LIVE_CLAIM = W.claimed_by.is_not(None) & (W.lease_expires > bindparam("now"))
+_LIST_SUBMITTED = {
+    live: _LISTED.where(
+        W.state == SUBMITTED,
+        W.version >= bindparam("min_version"),
+        W.id > bindparam("after"),
+        _LIVE_CLAIM if live else ~_LIVE_CLAIM,
+    ).order_by(W.id)
+    for live in (True, False)
+}
+# The accepted batches a listing returned that the learner had not seen (those between its cursors).
+_DELIVER = (
+    _TABLE.update()
+    .where(
+        W.state == ACCEPTED,
+        W.version >= bindparam("min_version"),
+        W.verdict_seq > bindparam("after"),
+        W.verdict_seq <= bindparam("last"),
+        W.delivered_at.is_(None),
+    )
+    .values(delivered_at=bindparam("now"))
 )
 
 
@@ -470,28 +498,27 @@ class WorkScheduler:
         and validating ones. Accepted batches returned to the learner are marked delivered.
         """
         now = self.clock()
-        query = select(_TABLE)
+        params = {"min_version": min_version or 0, "after": -1 if after is None else after, "limit": limit}
         if status in (ACCEPTED, REJECTED):
-            order = W.verdict_seq
-            query = query.where(W.state == status)
+            query, order, params["state"] = _LIST_DECIDED, "verdict_seq", status
         else:
-            order = W.id
-            live = (W.claimed_by.is_not(None)) & (W.lease_expires > now)
-            query = query.where(W.state == SUBMITTED, live if status == "validating" else ~live)
-        if min_version is not None:
-            query = query.where(W.version >= min_version)
-        if after is not None:
-            query = query.where(order > after)
+            query, order, params["now"] = _LIST_SUBMITTED[status == "validating"], "id", now
         fresh = []
-        with self.engine.begin() as conn:
-            rows = [row._mapping for row in conn.execute(query.order_by(order).limit(limit))]
+        hot = self.hot
+        with hot.begin() as conn:
+            rows = hot.rows(conn, query, params)
             if learner and status == ACCEPTED:
                 fresh = [w for w in rows if w["delivered_at"] is None]
                 if fresh:
-                    conn.execute(update(_TABLE).where(W.id.in_([w["id"] for w in fresh])).values(delivered_at=now))
+                    last = rows[-1]["verdict_seq"]
+                    hot.write(
+                        conn,
+                        _DELIVER,
+                        {"min_version": params["min_version"], "after": params["after"], "last": last, "now": now},
+                    )
         records = [batch_dict(w, now, public=not learner) for w in rows]
         self._window_add(-sum(self._in_window(w["version"]) for w in fresh))
-        cursor = (rows[-1][order.key] if rows else after) or 0
+        cursor = (rows[-1][order] if rows else after) or 0
         return records, cursor
 
 

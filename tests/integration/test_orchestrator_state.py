@@ -206,6 +206,56 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
     assert cached == pool.svc.scheduler.window_work(recount=True) == 1  # w's at v2; b2 was rejected, the rest is v0
 
 
+def test_listings_page_by_status_version_and_cursor_and_free_the_window_once(tmp_path):
+    """The learner's page frees the window for exactly the batches it returned, once; the other statuses list by
+    assignment id; the expected sets are built from what the test did, not from the service."""
+    pool = Pool(tmp_path, **{"orchestrator.num_tasks": 100, "orchestrator.unproven_share": 1.0})
+    validator = pool.node("validator")
+    workers = [pool.node("worker") for _ in range(4)]
+    work = [(w, a) for w in workers for a in w.heartbeat().assignments]
+    assert len(work) == 4
+    names = [f"b{i}" for i in range(4)]
+    for (w, a), name in zip(work, names):
+        pool.submit(w, a, name)
+    decided = []
+    for accepted in (True, False, True, True):  # b0, b1 (rejected), b2, b3 in claim order
+        batch = validator.claim().batch
+        decided.append(batch.batch_id)
+        verdict = Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=40) if accepted else None
+        validator.verdict(batch.batch_id, verdict or Verdict(accepted=False, failed_checks=["toploc"], num_tokens=1))
+    accepted = [decided[0], decided[2], decided[3]]
+    scheduler = pool.svc.scheduler
+    assert scheduler.window_work(recount=True) == 3
+    first = pool.admin.batches(limit=1)
+    assert [b.batch_id for b in first.batches] == accepted[:1] and first.next_after == 1
+    assert scheduler.window_work() == scheduler.window_work(recount=True) == 2  # only the listed one was read
+    rest = pool.admin.batches(after=first.next_after, limit=10)
+    assert [b.batch_id for b in rest.batches] == accepted[1:] and rest.next_after == 4
+    assert scheduler.window_work() == scheduler.window_work(recount=True) == 0
+    again = pool.admin.batches(limit=10)  # read again from the start: nothing is freed twice
+    assert [b.batch_id for b in again.batches] == accepted and again.next_after == 4
+    assert scheduler.window_work() == scheduler.window_work(recount=True) == 0
+    assert pool.admin.batches(after=4).batches == [] and pool.admin.batches(after=4).next_after == 4
+    assert pool.admin.batches(min_version=1).batches == []
+    assert [b.batch_id for b in pool.admin.batches(status="rejected").batches] == [decided[1]]
+    # Submitted and validating: by assignment id, the live claim decides which.
+    more = [(w, a) for w in workers for a in w.heartbeat().assignments]
+    assert more, "the window has room again"
+    for i, (w, a) in enumerate(more):
+        pool.submit(w, a, f"c{i}")
+    ids = sorted(a.id for _, a in more)
+    submitted = pool.admin.batches(status="submitted", limit=1000)
+    assert [b.assignment_id for b in submitted.batches] == ids and submitted.next_after == ids[-1]
+    held = validator.claim().batch
+    assert [b.batch_id for b in pool.admin.batches(status="validating").batches] == [held.batch_id]
+    assert held.assignment_id not in [b.assignment_id for b in pool.admin.batches(status="submitted").batches]
+    paged = pool.admin.batches(status="submitted", after=ids[0], limit=1)
+    assert [b.assignment_id for b in paged.batches] == [i for i in ids if i != held.assignment_id and i > ids[0]][:1]
+    pool.clock.advance(31)  # the lease lapses: submitted again
+    assert held.assignment_id in [b.assignment_id for b in pool.admin.batches(status="submitted").batches]
+    assert pool.admin.batches(status="validating").batches == []
+
+
 def test_rejections_within_the_window_ban_the_worker_and_fill_the_ledger(tmp_path):
     pool = Pool(
         tmp_path,
@@ -282,25 +332,31 @@ def test_compute_challenge_admits_only_a_right_and_timely_answer(tmp_path):
     assert ok.status == "admitted" and node.heartbeat().state == "healthy"
 
 
-def test_a_schema_3_database_gains_the_claim_queue_indexes(tmp_path):
-    """The claim queries use them (SQLite's plan): neither scans nor sorts the submitted backlog."""
-    from orchestrator.scheduler import _HELD_CLAIM, _NEXT_CLAIM
+def test_a_schema_3_database_gains_the_claim_queue_and_listing_indexes(tmp_path):
+    """The claim queries and the learner's listing of accepted batches use them (SQLite's plan): none scans or
+    sorts the backlog."""
+    from orchestrator.scheduler import _DELIVER, _HELD_CLAIM, _LIST_DECIDED, _NEXT_CLAIM
 
     url = sqlite_url(tmp_path / "o.db")
     with open_database(url).begin() as conn:  # as schema 3 left it
-        conn.execute(text("DROP INDEX ix_work_claim_queue"))
-        conn.execute(text("DROP INDEX ix_work_claimed_by"))
+        for name in ("ix_work_claim_queue", "ix_work_claimed_by", "ix_work_state_seq"):
+            conn.execute(text(f"DROP INDEX {name}"))
         conn.execute(text("UPDATE schema_info SET version = 3"))
     engine = open_database(url)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT version FROM schema_info")).scalar_one() == SCHEMA_VERSION
         names = {r[0] for r in conn.execute(text("SELECT name FROM sqlite_master WHERE type = 'index'"))}
-        assert {"ix_work_claim_queue", "ix_work_claimed_by"} <= names
-        for query in (_HELD_CLAIM, _NEXT_CLAIM):
+        assert {"ix_work_claim_queue", "ix_work_claimed_by", "ix_work_state_seq"} <= names
+        for query, index in (
+            (_HELD_CLAIM, ("ix_work_claim_queue", "ix_work_claimed_by")),
+            (_NEXT_CLAIM, ("ix_work_claim_queue", "ix_work_claimed_by")),
+            (_LIST_DECIDED, ("ix_work_state_seq",)),
+            (_DELIVER, ("ix_work_state_seq",)),
+        ):
             compiled = query.compile(engine)  # SQLite's positional parameters: any values do for a plan
             rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", tuple(0 for _ in compiled.positiontup))
             plan = " | ".join(row[-1] for row in rows)
-            assert "TEMP B-TREE" not in plan and ("ix_work_claim_queue" in plan or "ix_work_claimed_by" in plan), plan
+            assert "TEMP B-TREE" not in plan and any(name in plan for name in index), plan
 
 
 def test_schema_is_created_upgraded_or_refused(tmp_path):
