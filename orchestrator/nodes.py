@@ -35,6 +35,13 @@ HEALTHY, UNHEALTHY, DEAD, PENDING = "healthy", "unhealthy", "dead", "pending"
 FLUSH_S = 5.0  # heartbeat times reach the database at most this long after they happen
 
 
+_NODES = Node.__table__
+# The sweep's write of state and heartbeat time, built once (building it cost more than running it).
+_WRITE_BEHIND = (
+    update(_NODES).where(_NODES.c.key == bindparam("k")).values(state=bindparam("st"), last_seen=bindparam("seen"))
+)
+
+
 def _first_flush(key: str, now: float) -> float:
     """When a node's heartbeat time is first written behind: a moment within FLUSH_S of `now` that follows from
     its key (keys are random), so that the pool's turns are spread evenly."""
@@ -179,11 +186,20 @@ class NodeRegistry:
         write heartbeat times behind (each node's every FLUSH_S, or every one now if `flush`). Returns the keys that
         died."""
         now = self.clock()
+        unhealthy_after_s = self.unhealthy_after_s
         died, changes = [], []
         for key, node in self.live.items():
+            # Most nodes at most sweeps: healthy, heard from lately, their turn to be written not come yet.
+            if (
+                node.state == HEALTHY
+                and now - node.last_seen < unhealthy_after_s
+                and now < node.flush_due
+                and not flush
+            ):
+                continue
             if node.state == PENDING or node.banned or node.left:
                 continue
-            state = liveness(now - node.last_seen, self.unhealthy_after_s, self.dead_after_s)
+            state = liveness(now - node.last_seen, unhealthy_after_s, self.dead_after_s)
             its_turn = flush or now >= node.flush_due
             if its_turn:
                 node.flush_due = now + FLUSH_S
@@ -192,14 +208,8 @@ class NodeRegistry:
             if state == DEAD and node.state != DEAD:
                 died.append(key)
         if changes:
-            table = Node.__table__
             with self.db.begin() as s:
-                s.execute(
-                    update(table)
-                    .where(table.c.key == bindparam("k"))
-                    .values(state=bindparam("st"), last_seen=bindparam("seen")),
-                    changes,
-                )
+                s.execute(_WRITE_BEHIND, changes)
                 for key in died:
                     release_open_work(s, key, now)
         for change in changes:
