@@ -56,7 +56,6 @@ def build_app(cfg: Config, clock: Callable[[], float] = time.time, database_url:
 
 
 def run(args: argparse.Namespace) -> int:
-    import gc
     import logging
 
     from intellect.cli import config_from_args
@@ -78,11 +77,6 @@ def run(args: argparse.Namespace) -> int:
             "orchestrator.admin_token is not set: admin routes and policy announcements are refused"
         )
     print(f"orchestrator: http://{oc.host}:{oc.port}/ (dashboard), API docs at /docs", flush=True)
-    # What exists now (the application, its modules, the registry's nodes) lives as long as the service: frozen
-    # out of the garbage collector's view, so that its full collections do not walk it again and again (they
-    # stalled every request for 50-80 ms at 1,000 nodes).
-    gc.collect()
-    gc.freeze()
     # Idle keep-alive connections are kept (keepalive_s, 20 s) longer than clients keep theirs (aiohttp: 15 s,
     # httpx: 5 s), so that a client never sends on a connection the server is closing at that moment.
     limits = Limits(

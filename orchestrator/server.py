@@ -57,6 +57,7 @@ from orchestrator.guards import address_group
 if TYPE_CHECKING:
     from orchestrator.fast_lane import Found, NodeLane, Reply
 
+GC_YOUNG_THRESHOLD = 20_000
 log = logging.getLogger("orchestrator")
 
 IDLE, HEAD, BODY, APP = "idle", "head", "body", "app"  # where a connection is: between requests, or in one
@@ -509,6 +510,10 @@ class _Server(uvicorn.Server):
         # collections need not look at it again, which cuts the pause each of them makes by more than half.
         gc.collect()
         gc.freeze()
+        # Young collections after 20,000 new objects rather than 700: what a request or a connection's turn makes
+        # is freed by reference counting long before that, so it is no longer promoted and walked again by the
+        # older generations' collections (at 1,000 nodes these took 3x the time, in pauses of up to 115 ms).
+        gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
         self.listener.start(asyncio.get_running_loop(), create_protocol)
         self.servers = [self.listener]
         host, port = self.listener.sockets[0].getsockname()[:2]
