@@ -71,27 +71,32 @@ class NonceCache:
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
-        self._order: deque[tuple[float, str]] = deque()
+        # Two queues of plain floats and strings rather than one of tuples: neither is an object the garbage
+        # collector tracks, and a tuple per request would be (a young collection walks it until it is untracked).
+        self._expiries: deque[float] = deque()
+        self._nonces: deque[str] = deque()
 
     def add(self, nonce: str, expires: float) -> bool:
         """False if `nonce` is already held (a replay)."""
         if nonce in self._seen:
             return False
         self._seen.add(nonce)
-        self._order.append((expires, nonce))
+        self._expiries.append(expires)
+        self._nonces.append(nonce)
         return True
 
     def prune(self, now: float) -> None:
-        order = self._order
-        while order and order[0][0] <= now:
-            self._seen.discard(order.popleft()[1])
+        expiries, nonces = self._expiries, self._nonces
+        while expiries and expiries[0] <= now:
+            expiries.popleft()
+            self._seen.discard(nonces.popleft())
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def entries(self) -> list[tuple[float, str]]:
         """(expiry, nonce) of every nonce held, in the order they were added."""
-        return list(self._order)
+        return list(zip(self._expiries, self._nonces))
 
 
 @dataclass(frozen=True)
