@@ -126,22 +126,21 @@ _ERRORS = {
 }
 
 # Security schemes of the OpenAPI document; the checks themselves are in auth.py.
-_SCHEMES = dict(
-    zip(
-        ("NodeKey", "Timestamp", "Nonce", "Signature", "Session", "Mac"),
-        zip(
-            AUTH_HEADERS,
-            (
-                "hex ed25519 public key of the node",
-                "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock",
-                "16-64 random lowercase hex characters, used once",
-                "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)",
-                "the id of the node's session (POST /v1/nodes/session)",
-                "hex HMAC-SHA256 under the session key of the string a signature covers",
-            ),
+_SCHEMES = {
+    scheme: (header, description)
+    for header, (scheme, description) in zip(
+        AUTH_HEADERS,
+        (
+            ("NodeKey", "hex ed25519 public key of the node"),
+            ("Timestamp", "unix milliseconds; at most orchestrator.max_clock_skew_s off the service's clock"),
+            ("Nonce", "16-64 random lowercase hex characters, used once"),
+            ("Signature", "hex ed25519 signature of METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"),
+            ("Session", "the id of the node's session (POST /v1/nodes/session)"),
+            ("Mac", "hex HMAC-SHA256 under the session key of the string a signature covers"),
         ),
+        strict=True,
     )
-)
+}
 _SIGNED = {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Signature")}
 _SIGNED_ROUTE = {"security": [_SIGNED]}
 _SESSION_ROUTE = {"security": [_SIGNED, {name: [] for name in ("NodeKey", "Timestamp", "Nonce", "Session", "Mac")}]}

@@ -511,8 +511,8 @@ class _Server(uvicorn.Server):
         gc.collect()
         gc.freeze()
         # Young collections after 20,000 new objects rather than 700: what a request or a connection's turn makes
-        # is freed by reference counting long before that, so it is no longer promoted and walked again by the
-        # older generations' collections (at 1,000 nodes these took 3x the time, in pauses of up to 115 ms).
+        # is freed by reference counting long before that, so it is not promoted and walked again by the older
+        # generations' collections (benchmarks/RESULTS.md).
         gc.set_threshold(GC_YOUNG_THRESHOLD, 10, 10)
         self.listener.start(asyncio.get_running_loop(), create_protocol)
         self.servers = [self.listener]
