@@ -8,7 +8,9 @@ size limits for JSON), so a hostile or broken server costs a time-out, never a h
 
 Connections are kept alive: a response whose body was read to its last byte gives its socket back to a small
 per-server pool (at most `IDLE_PER_SERVER` sockets, each reused within `IDLE_S` seconds), and the next request
-to that server takes it instead of opening a new one. Over a WAN that saves the TCP handshake (a round trip)
+to that server takes it instead of opening a new one. A response gives its socket back at most once (closing it
+again does nothing), one that broke off or was not read to its end closes it instead, and the pool refuses a
+socket it already holds: two requests never share a connection. Over a WAN that saves the TCP handshake (a round trip)
 per request: the manifest and the files follow a long-poll on the long-poll's connection. A pooled socket
 that the server has closed meanwhile is noticed before or as it is reused, and the request is sent again on a
 new connection (every request here is an idempotent GET).
@@ -49,10 +51,16 @@ class Response:
     leftover: bytes  # body bytes that arrived with the head
     keep_alive: bool = False  # the server keeps the connection open after this answer
     received: int = 0  # body bytes consumed (from `leftover`, then from the socket)
+    closed: bool = False  # `close` has handed the socket on: to the pool, or closed it
 
     def close(self) -> None:
         """Done with the answer: its socket goes back to the pool if its body was read exactly to its end and
-        the server keeps the connection, and is closed otherwise."""
+        the server keeps the connection, and is closed otherwise (its state is unknown: part of the body may
+        still be on the wire). Only the first call does anything: once pooled, the socket may already carry
+        another thread's request, and giving it back again would lend it to two requests at once."""
+        if self.closed:
+            return
+        self.closed = True
         length = self.headers.get("Content-Length", "")
         whole = length.isdigit() and self.received == int(length) and len(self.leftover) <= self.received
         if self.keep_alive and whole:
@@ -88,8 +96,14 @@ class _IdleSockets:
             sock.close()
 
     def give(self, server: ServerURL, sock: socket.socket) -> None:
+        """Keep `sock` for the next request to `server`; one already held (a second give of the same answer)
+        or already closed is refused, so that no two takes return the same socket."""
+        if sock.fileno() < 0:
+            return
         with self._lock:
             held = self._idle.setdefault((server.host, server.port), [])
+            if any(s is sock for s, _ in held):
+                return
             held.append((sock, time.monotonic()))
             extra = held[:-IDLE_PER_SERVER]
             del held[:-IDLE_PER_SERVER]
@@ -242,7 +256,9 @@ def _error_text(resp: Response, timeout: float) -> str:
 
 
 def check_status(resp: Response, path: str, expected: tuple[int, ...], timeout: float) -> None:
-    """Raise NotFound (404) or TransferError (anything else unexpected), with the server's error text."""
+    """Raise NotFound (404) or TransferError (anything else unexpected), with the server's error text. The
+    answer is closed first (its connection pooled if the error body was read whole); the caller's own
+    `resp.close()` after that does nothing."""
     if resp.status in expected:
         return
     detail = _error_text(resp, timeout)
