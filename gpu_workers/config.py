@@ -22,7 +22,11 @@ class DataConfig(Section):
     task: str = Field("math", min_length=1)
     """Task whose prompts and reward function are used (a name registered in gpu_workers' tasks)."""
     path: str | None = None
-    """Dataset file or hub id of the task's prompts (None: the task's built-in data)."""
+    """Task file (.jsonl, .parquet, .arrow) or a directory saved by `datasets` or of parquet files (None: synthetic)."""
+    format: Literal["plain", "gsm8k", "math", "humaneval"] = "plain"
+    """Row layout of data.path and data.eval_path (gpu_workers.tasks.dataset); gsm8k/math score with math-verify."""
+    columns: dict[str, str] = {}
+    """Column names that differ from the format's defaults, by field (e.g. {prompt = "question"})."""
     prompts_per_step: int = Field(32, gt=0)
     """Prompts whose sample groups make one optimizer step."""
     samples_per_prompt: int = Field(16, ge=2)
@@ -64,6 +68,14 @@ class DataConfig(Section):
             self.solve_rate_min <= self.solve_rate_max,
             ("data.solve_rate_min", "data.solve_rate_max"),
             f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})",
+        )
+        from gpu_workers.tasks.dataset import FORMATS
+
+        unknown = sorted(set(self.columns) - set(FORMATS[self.format]))
+        require(
+            not unknown,
+            ("data.columns", "data.format"),
+            f"data.columns {unknown}: format {self.format!r} has the fields {', '.join(FORMATS[self.format])}",
         )
         bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
         require(

@@ -202,11 +202,13 @@ def test_malformed_listings_are_reported_per_server(serve, tmp_path, answer, mes
 
 
 def test_stalled_server_times_out_instead_of_hanging(serve, tmp_path):
-    server = serve(lambda path, headers, conn: server.stall())
-    start = time.monotonic()
+    let_go = threading.Event()  # the server stalls until the fetch has given up (or 30 s)
+
+    server = serve(lambda path, headers, conn: let_go.wait(30))
     with pytest.raises(FetchError, match="stalled"):
         client(server.url, timeout=0.5).fetch("latest", tmp_path)
-    assert time.monotonic() - start < 10  # bounded by the time-out, not by the server
+    assert not let_go.is_set()  # bounded by the time-out, not by the server: it is still stalling
+    let_go.set()
 
 
 @pytest.mark.parametrize("direct_io, use_splice", [(True, False), (False, True), (False, False)])
@@ -319,7 +321,14 @@ def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, 
         else:
             script(path, headers, conn)
 
-    first, second = serve(appears), serve(script)
+    second_listed = threading.Event()
+
+    def lists(path, headers, conn):
+        if path.startswith("/versions"):
+            second_listed.set()
+        script(path, headers, conn)
+
+    first, second = serve(appears), serve(lists)
     result = client(first.url).fetch(1, tmp_path, wait=10)
     assert (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
     paths = [p for p, _ in first.requests]
@@ -332,13 +341,27 @@ def test_a_fetch_that_waited_starts_from_the_answer_without_asking_again(serve, 
         conn.sendall(response(200, b'{"latest": 1, "versions": [0, 1]}'))
 
     a, b = serve(soon), serve(soon)  # two servers that get the version at the same moment: both are holders
-    got = client(f"{a.url},{b.url}").wait_for_offers(after=0, timeout=10, gather=5.0)  # a loaded test machine
+    # the gathering ends as soon as both have answered; its length only bounds how late the second may be
+    got = client(f"{a.url},{b.url}").wait_for_offers(after=0, timeout=30, gather=30.0)
     assert got == {parse_server_url(a.url): [0, 1], parse_server_url(b.url): [0, 1]}
 
-    c = client(f"{first.url},{second.url}", parallel=1)  # offers from a wait: the other server joins the fetch
-    c.fetch(1, tmp_path / "b", offers={parse_server_url(first.url): [0, 1]})
+    # offers from a wait: the other server is asked in the background once the parts start, and joins. The
+    # server that answered the wait holds its parts until then (so the fetch cannot end before the background
+    # question, however fast or slow the machine is); without that question it gives up holding after 20 s.
+    gate: list[bool] = []  # per part request: whether the other server had been asked when it was answered
+
+    def held_until_second_listed(path, headers, conn):
+        if path.endswith(".safetensors"):
+            gate.append(second_listed.wait(20))
+        script(path, headers, conn)
+
+    second_listed.clear()
+    waited = serve(held_until_second_listed)
+    c = client(f"{waited.url},{second.url}", parallel=1, timeout=30.0)
+    c.fetch(1, tmp_path / "b", offers={parse_server_url(waited.url): [0, 1]})
     assert (tmp_path / "b" / "v000001" / "model.safetensors").read_bytes() == DATA
-    assert any(p.startswith("/versions") for p, _ in second.requests), second.requests
+    assert gate and all(gate), "the other server was not asked who holds the version as the parts started"
+    assert waited.requests[0][0] == "/v/1/manifest.json", waited.requests  # the offer is not asked again first
 
     # the only server that answered the wait offers another manifest than the pinned one: every server is asked
     liar = serve(honest(files=dict(FILES, **{"config.json": b"{}"})))
@@ -363,12 +386,14 @@ def test_receive_into_file_at_an_offset(serve, tmp_path, use_splice):
 
 
 def test_a_hung_server_does_not_hold_up_the_others(serve, tmp_path):
-    hung = serve(lambda path, headers, conn: hung.stall())
+    let_go = threading.Event()  # the hung server answers nothing until the fetch is over (or 30 s)
+    hung = serve(lambda path, headers, conn: let_go.wait(30))
     good = serve(honest())
     c = client(f"{hung.url},{good.url}", timeout=20)
     start = time.monotonic()
     result = c.fetch("latest", tmp_path)
-    assert time.monotonic() - start < 10  # not the 20 s the hung server could take
+    assert time.monotonic() - start < c.timeout  # not the 20 s the hung server could take
+    let_go.set()
     assert result.version == 1 and (tmp_path / "v000001" / "model.safetensors").read_bytes() == DATA
     assert "no answer to /versions in time" in c.last_errors[parse_server_url(hung.url)]
 
@@ -447,16 +472,19 @@ def test_buffer_pool_lends_nothing_before_its_pages_are_touched(monkeypatch):
 
     touch = direct.BufferPool._touch
 
+    touched = threading.Event()
+
     def slow_touch(self):
         time.sleep(0.3)  # a loaded machine
         touch(self)
+        touched.set()
 
     monkeypatch.setattr(direct.BufferPool, "_touch", slow_touch)
     pool = direct.BufferPool(2, 4 * mmap.PAGESIZE)
     assert pool.claim()
     buf = pool.take()
     buf[:] = b"\xff" * len(buf)  # what a transfer receives
-    time.sleep(0.5)  # the touch thread has certainly finished
+    assert touched.wait(30)  # the touch thread has finished
     assert buf[:] == b"\xff" * len(buf)
 
 
