@@ -262,6 +262,8 @@ def _toml_value(value: Any) -> str:
         return '"' + "".join(chars) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table, its keys quoted
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"no TOML form for {type(value).__name__} value {value!r}")
 
 

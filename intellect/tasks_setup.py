@@ -3,8 +3,10 @@
 - A built-in synthetic family (`data.task` one of arithmetic, reverse, sort, no `data.path`): `data.num_tasks`
   tasks of `data.digits` from `data.task_seed`; the held-out set comes from another seed stream and leaves out
   every prompt that is also a training prompt, so evaluation never scores a memorised prompt.
-- A file (`data.path`, JSONL or parquet, see `gpu_workers.tasks.dataset`): its rows, with `data.task` as the
-  default reward name and the solve-rate filter applied. Held-out tasks come from `data.eval_path`, or else are
+- A file or dataset directory (`data.path`: JSONL, parquet, Arrow, a `datasets` save_to_disk directory, see
+  `gpu_workers.tasks.dataset`): its rows read as `data.format` (plain, gsm8k, math, humaneval) with
+  `data.columns` renaming fields, `data.task` the default reward name of plain rows, and the solve-rate
+  filter applied. Held-out tasks come from `data.eval_path`, or else are
   the file's last `data.eval_tasks` rows, which training then leaves out.
 
 The worker, the validator and the orchestrator (for `num_tasks`) must see the same training list: they all
@@ -19,8 +21,12 @@ from intellect.config import ConfigError, DataConfig
 _HELDOUT_STREAM = 1_000_003  # added to data.task_seed for the held-out synthetic tasks
 
 
+def _load(data: DataConfig, path: str) -> TaskDataset:
+    return load_tasks(path, columns=data.columns, reward=data.task, format=data.format)
+
+
 def _file_tasks(data: DataConfig) -> TaskDataset:
-    tasks = load_tasks(data.path, reward=data.task)
+    tasks = _load(data, data.path)
     kept = tasks.filter_solve_rate(data.solve_rate_min, data.solve_rate_max)
     if not len(kept):
         raise ConfigError(
@@ -35,7 +41,7 @@ def training_tasks(data: DataConfig) -> TaskDataset:
     if data.path is None:
         if data.task not in FAMILIES:
             raise ConfigError(
-                f"data.task {data.task!r} needs data.path (a .jsonl or .parquet file of prompts); "
+                f"data.task {data.task!r} needs data.path (a .jsonl, .parquet or datasets directory of prompts); "
                 f"the built-in synthetic tasks are {', '.join(FAMILIES)}"
             )
         return synthetic_tasks(data.task, data.num_tasks, data.task_seed, data.digits)
@@ -52,7 +58,7 @@ def training_tasks(data: DataConfig) -> TaskDataset:
 
 def heldout_tasks(data: DataConfig) -> TaskDataset:
     if data.eval_path is not None:
-        return load_tasks(data.eval_path, reward=data.task)
+        return _load(data, data.eval_path)
     if data.path is not None:
         tasks = _file_tasks(data)
         return TaskDataset(tasks.tasks[len(tasks) - min(data.eval_tasks, len(tasks) - 1) :], f"{tasks.name}[held out]")

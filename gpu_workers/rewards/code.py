@@ -2,7 +2,9 @@
 
 The program is the completion's last ```python block (or the whole completion if there is none). Each test
 feeds `input` on stdin and expects `output` on stdout (trailing whitespace ignored); the reward is the
-fraction of tests passed.
+fraction of tests passed. A HumanEval-style task (`Task.check`) runs one program instead: the prompt's code,
+the completion's code, the test code and `check(entry_point)`; reward 1 when it exits cleanly, 0 on a failing
+assert, an exception or a limit (`check_program`).
 
 The program is model-written, so hostile. Each test runs it under bubblewrap (`bwrap`), where it can touch
 nothing of the node:
@@ -412,7 +414,18 @@ def run_test(program: str, stdin: str, limits: Limits) -> tuple[bool, str]:
     return _run(program, stdin, limits, bwrap)
 
 
+def check_program(check, completion: str) -> str:
+    """The program of a HumanEval-style task (`Task.check`): its prefix (the prompt's code), the completion's
+    code (a body continuing the prompt's function, or a whole function that redefines it), the test code and
+    the call `check(entry_point)`."""
+    prefix = check.prefix if check.prefix.endswith("\n") else check.prefix + "\n"
+    return f"{prefix}{extract_program(completion)}\n\n{check.test}\n\ncheck({check.entry_point})\n"
+
+
 def code_reward(task, completion: str, limits: Limits = Limits()) -> RewardResult:
+    if getattr(task, "check", None) is not None:
+        ok, out = run_test(check_program(task.check, completion), "", limits)
+        return RewardResult(1.0, None) if ok else RewardResult(0.0, f"check failed: {out}")
     if not task.tests:
         return RewardResult(0.0, "task has no tests")
     program = extract_program(completion)

@@ -37,9 +37,9 @@ def test_jsonl_with_a_column_mapping_and_solve_rate_filter(tmp_path):
     "line, message",
     [
         ("{not json", r"t.jsonl:1: not valid JSON"),
-        ('{"prompt": ""}', r"t.jsonl:1: column 'prompt'"),
-        ('{"prompt": "x", "tests": "[1, 2]"}', r"t.jsonl:1: column 'tests' must be a list"),
-        ('{"prompt": "x", "solve_rate": "high"}', r"t.jsonl:1: column 'solve_rate' is not a number"),
+        ('{"prompt": ""}', r"t.jsonl:1: field 'prompt' \(column 'prompt'\)"),
+        ('{"prompt": "x", "tests": "[1, 2]"}', r"t.jsonl:1: field 'tests' \(column 'tests'\) must be a list"),
+        ('{"prompt": "x", "solve_rate": "high"}', r"t.jsonl:1: field 'solve_rate' \(column 'solve_rate'\) is not a"),
     ],
 )
 def test_bad_rows_name_file_line_and_column(tmp_path, line, message):

@@ -71,6 +71,8 @@ def _other(annotation, default, bounds: dict[str, float], where: Path):
     if origin is list:
         (item,) = args
         return [_other(item, None, {}, where)] if item is not str else ["http://127.0.0.1:1"]
+    if origin is dict:
+        return {"prompt": "x"}  # data.columns: a field every data.format has
     if annotation is bool:
         return not default
     if annotation in (int, float):
