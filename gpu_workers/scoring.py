@@ -61,13 +61,16 @@ def vllm_prompt_logprobs(
     dtype: str = "float32",
     max_model_len: int | None = None,
     seed: int = 0,
+    enforce_eager: bool = True,
+    **engine_args,
 ) -> list[np.ndarray]:
     """Score each sequence as a vLLM prompt: float32 [len-1], the logprob of token t given tokens < t.
 
-    Starts an in-process engine (`enforce_eager`; set `VLLM_ENABLE_V1_MULTIPROCESSING=0` and a small
-    `VLLM_CPU_KVCACHE_SPACE` on CPU) and shuts it down before returning. `max_model_len` defaults to the
-    longest sequence plus the one token that vLLM must generate. `prompt_logprobs` are the raw model's
-    (log_softmax of the logits, no temperature), and prefix caching is off so every prompt is recomputed.
+    Starts an in-process engine (eager unless `enforce_eager=False`; `engine_args` go to `vllm.LLM`; set
+    `VLLM_ENABLE_V1_MULTIPROCESSING=0` and a small `VLLM_CPU_KVCACHE_SPACE` on CPU) and shuts it down before
+    returning. `max_model_len` defaults to the longest sequence plus the one token that vLLM must generate.
+    `prompt_logprobs` are the raw model's (log_softmax of the logits, no temperature), and prefix caching is
+    off so every prompt is recomputed.
     """
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -77,10 +80,11 @@ def vllm_prompt_logprobs(
     llm = LLM(
         model=str(model_dir),
         dtype=dtype,
-        enforce_eager=True,
+        enforce_eager=enforce_eager,
         seed=seed,
         max_model_len=max_model_len or max(len(tokens) for tokens in sequences) + 1,
         enable_prefix_caching=False,
+        **engine_args,
     )
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from bridge.rollouts import FINISH_LENGTH, FINISH_STOP
-from gpu_workers.capture import ProofCapture, _install
+from gpu_workers import capture
+from gpu_workers.capture import ProofCapture
 from gpu_workers.checks import Declared, Sample, stop_token_ids, validate_batch
 from gpu_workers.scoring import hf_forward
-from gpu_workers.toploc import Thresholds, verify_proofs
+from gpu_workers.toploc import Thresholds, build_proofs, verify_proofs
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +79,10 @@ def test_rows_follow_each_request_through_a_mixed_concurrent_batch(llm, model):
     for prompt, ref in zip(stoppers, hf_forward(model, stoppers, dtype="float32")):
         prompts.append(prompt)
         params.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[int(ref.logits[-1].argmax())]))
-    with ProofCapture(llm) as capture:
-        completions = capture.generate(prompts, params)
+    with ProofCapture(llm) as capturing:
+        completions = capturing.generate(prompts, params)
         plain = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        again = capture.generate(prompts[::-1], params[::-1])  # other order, after a generate without capture
+        again = capturing.generate(prompts[::-1], params[::-1])  # other order, after a generate without capture
     assert [c.tokens for c in completions] == [list(o.outputs[0].token_ids) for o in plain]
     for c, p, m in zip(completions[: len(max_tokens)], prompts, max_tokens):
         assert c.prompt_tokens == p and 1 <= len(c.tokens) <= m
@@ -95,34 +96,74 @@ def test_rows_follow_each_request_through_a_mixed_concurrent_batch(llm, model):
 
 
 @pytest.mark.vllm
-def test_close_removes_the_hook_and_n_above_one_is_refused(llm):
+def test_the_lm_head_capture_gives_the_final_norm_hooks_rows_and_proofs_byte_for_byte(llm):
+    """One generate with both captures on the engine: the LM head's input (the capture a compiled engine
+    keeps) and the final norm's output (the eager-only hook it replaced) give equal rows and equal proofs,
+    through prefills chunked over steps and requests that join and leave the batch."""
     from vllm import SamplingParams
 
-    capture = ProofCapture(llm)
+    lengths = [4, 30, 70, 130, 9, 50, 150, 17]
+    prompts = _prompts(5, lengths)
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (40, 33, 5, 20, 64, 1, 12, 48)]
+    with ProofCapture(llm, source="lm_head") as head:
+        assert head.source == "lm_head"
+        assert llm.collective_rpc(capture._install, args=("norm",)) == [("norm", None)]
+        llm.collective_rpc(capture._start, args=("norm",))
+        try:
+            completions = head.generate(prompts, params)
+        finally:
+            ((norm_rows, error),) = llm.collective_rpc(capture._drain, args=("norm",))
+            llm.collective_rpc(capture._uninstall, args=("norm",))
+    assert error is None
+    by_request = {rid.rsplit("-", 1)[0]: value for rid, value in norm_rows.items()}
+    for i, c in enumerate(completions):
+        positions, rows = by_request[c.request_id]
+        wanted = np.arange(len(c.prompt_tokens) - 1, len(c.prompt_tokens) - 1 + len(c.tokens))
+        found = np.searchsorted(positions, wanted)
+        assert np.array_equal(positions[found], wanted), i
+        from_norm = rows.index_select(0, torch.from_numpy(found))
+        assert from_norm.dtype == c.hidden.dtype and torch.equal(from_norm, c.hidden), i
+        assert build_proofs(from_norm.to(torch.bfloat16)) == c.proofs, i
+
+
+@pytest.mark.vllm
+def test_close_removes_the_hook_and_n_above_one_or_prompt_logprobs_are_refused(llm):
+    from vllm import SamplingParams
+
+    capturing = ProofCapture(llm)
+    assert capturing.source == "lm_head"  # the default: the hook that survives compilation
     with pytest.raises(ValueError, match=r"params\[0\]: n=2"):
-        capture.generate(_prompts(2, [5]), SamplingParams(n=2, max_tokens=2))
+        capturing.generate(_prompts(2, [5]), SamplingParams(n=2, max_tokens=2))
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
-        capture.generate(_prompts(2, [5]), [SamplingParams(max_tokens=2)] * 2)
-    capture.close()
-    assert llm.collective_rpc(lambda worker: getattr(worker.model_runner, "_toploc_recorder", None)) == [None]
-    assert llm.apply_model(lambda m: len(m.model.norm._forward_hooks)) == [0]
+        capturing.generate(_prompts(2, [5]), [SamplingParams(max_tokens=2)] * 2)
+    with pytest.raises(ValueError, match=r"params\[0\]: prompt_logprobs=0"):
+        capturing.generate(_prompts(2, [5]), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    capturing.close()
+    assert llm.collective_rpc(lambda worker: getattr(worker.model_runner, "_toploc_recorders", None)) == [{}]
+    hooks = llm.apply_model(lambda m: (len(m.logits_processor._forward_pre_hooks), len(m.model.norm._forward_hooks)))
+    assert hooks == [(0, 0)]
 
 
-def test_install_refuses_engines_it_cannot_capture_from():
-    def worker(eager=True, speculative=None, model=None):
+def test_install_prefers_the_lm_head_and_needs_an_eager_engine_only_for_the_norm_hook():
+    def worker(eager=True, speculative=None, head=True, norm=True):
         config = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager), speculative_config=speculative)
-        return SimpleNamespace(
-            model_runner=SimpleNamespace(
-                vllm_config=config, model=model or SimpleNamespace(model=SimpleNamespace(norm=torch.nn.Identity()))
-            )
-        )
+        model = SimpleNamespace(model=SimpleNamespace(norm=torch.nn.Identity()) if norm else SimpleNamespace())
+        if head:
+            model.logits_processor = torch.nn.Identity()
+        return SimpleNamespace(model_runner=SimpleNamespace(vllm_config=config, model=model))
 
-    assert "enforce_eager=True" in _install(worker(eager=False))
-    assert "speculative decoding" in _install(worker(speculative=object()))
-    assert "has no model.norm" in _install(worker(model=SimpleNamespace(model=SimpleNamespace())))
-    ok = worker()
-    assert _install(ok) is None and _install(ok) is None  # installing twice keeps one hook
-    assert len(ok.model_runner.model.model.norm._forward_hooks) == 1
+    compiled = worker(eager=False)
+    assert capture._install(compiled) == ("lm_head", None)
+    assert capture._install(compiled) == ("lm_head", None)  # installing twice keeps one hook
+    assert len(compiled.model_runner.model.logits_processor._forward_pre_hooks) == 1
+    assert len(compiled.model_runner.model.model.norm._forward_hooks) == 0
+    source, problem = capture._install(worker(eager=False, head=False))
+    assert source is None and "no logits_processor" in problem and "enforce_eager=True" in problem
+    assert capture._install(worker(eager=True, head=False)) == ("norm", None)
+    assert capture._install(worker(eager=False), "norm")[1].endswith("build it with enforce_eager=True")
+    assert "has no model.norm" in capture._install(worker(head=False, norm=False))[1]
+    assert "speculative decoding" in capture._install(worker(speculative=object()))[1]
+    assert "expected one of auto, lm_head, norm" in capture._install(worker(), "logits")[1]
 
 
 @pytest.mark.vllm
@@ -134,8 +175,8 @@ def test_report_float32_generation_declared_as_bf16(llm, model):
 
     rng = np.random.default_rng(3)
     prompts = _prompts(3, rng.integers(5, 40, 32).tolist())
-    with ProofCapture(llm) as capture:
-        completions = capture.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=33))
+    with ProofCapture(llm) as capturing:
+        completions = capturing.generate(prompts, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=33))
     samples = [Sample.of(c) for c in completions]
     declared = Declared(temperature=0.7, top_p=0.9, max_tokens=33, stop_token_ids=stop_token_ids(model), sampler="vllm")
     verdict = validate_batch(samples, Prefill(model, dtype="bfloat16"), declared)
