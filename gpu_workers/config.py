@@ -110,7 +110,11 @@ class WorkerConfig(Section):
     store_url: str | None = None
     """Rollout store, a tensorstore kvstore URL (None: file://<run.dir>/rollouts)."""
     kv_cache_gib: float = Field(4.0, gt=0)
-    """Memory for vLLM's KV cache, in GiB."""
+    """Memory for vLLM's KV cache, in GiB (on a GPU, part of gpu_memory_utilization)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of the GPU's memory vLLM may use; at start it needs this much free (lower it on a shared GPU)."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs or compilation (None: eager on CPU, graphs and compilation on a GPU)."""
     weights_dir: Path | None = None
     """Where fetched policy versions land (None: <run.dir>/worker-<key prefix>/weights)."""
     keep_versions: int = Field(3, gt=0)
@@ -132,6 +136,10 @@ class ValidatorConfig(Section):
     """ed25519 private key file, the node's identity (None: <run.dir>/keys/validator.key, created if missing)."""
     dtype: Dtype = "bfloat16"
     """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    """Where the prefill, replay check and TOPLOC comparison run: auto (the first GPU, else CPU), cpu, cuda[:N]."""
+    gpu_memory_share: float = Field(0.2, gt=0, le=1)
+    """On a GPU: share of its memory the prefill's batches may fill beyond the loaded weights (at most what is free)."""
     max_exp_mismatches: int = Field(38, ge=0, le=128)
     """TOPLOC: most exponent mismatches of 128 top values a chunk may have."""
     max_mantissa_err_mean: float = Field(10.0, ge=0)
