@@ -495,9 +495,12 @@ def check_replay_batch(
     top_p: float,
     tolerance: SamplingTolerance = SamplingTolerance(),
     dtype: str = "bfloat16",
+    device: str = "cpu",
 ) -> list[CheckVerdict]:
     """Exact replay of the replayable sampler (`gpu_workers.replay`) on (tokens, logits [n, vocab], seed)
     completions: one "replay" verdict per completion (`check_near_tie_budget` judges the batch's near ties).
+    Each completion's logits are moved to `device` (a torch device) and replayed there; the noise is exact
+    integer arithmetic on any device.
 
     At every position i the validator recomputes z = logits / T over its own top-p nucleus, the noise
     g(seed, i, j) and the best noisy score; the submitted token t passes when z_t + g_t is within the margin
@@ -526,13 +529,19 @@ def check_replay_batch(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _replay(completions, temperature, top_p, tolerance, 2 * d / temperature, d / temperature)
+        return _replay(completions, temperature, top_p, tolerance, 2 * d / temperature, d / temperature, device)
     finally:
         torch.set_num_threads(threads)
 
 
 def _replay(
-    completions, temperature: float, top_p: float, tolerance: SamplingTolerance, margin: float, slack: float
+    completions,
+    temperature: float,
+    top_p: float,
+    tolerance: SamplingTolerance,
+    margin: float,
+    slack: float,
+    device: str = "cpu",
 ) -> list[CheckVerdict]:
     """`check_replay_batch`'s work, one completion at a time."""
     import torch
@@ -541,8 +550,8 @@ def _replay(
 
     verdicts = []
     for tokens, logits, seed in completions:
-        logits = torch.as_tensor(logits).float()
-        tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+        logits = torch.as_tensor(logits).to(device).float()
+        tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64)).to(device)
         n = len(tokens)
         if logits.ndim != 2 or logits.shape[0] != n or n == 0:
             verdicts.append(CheckVerdict("replay", False, (f"{n} tokens for logits of shape {tuple(logits.shape)}",)))
@@ -554,7 +563,7 @@ def _replay(
         kept = _top_p_kept(z, top_p) if top_p < 1 else torch.ones_like(z, dtype=torch.bool)
         masked = z.masked_fill(~kept, -math.inf)
         seeds, positions = [int(seed)] * n, list(range(n))
-        rows = torch.arange(n)
+        rows = torch.arange(n, device=logits.device)
         choice, best = noisy_max(masked, seeds, positions)
         score = z[rows, tokens] + noise_at(seeds, positions, tokens)
         if top_p < 1:  # pass over best tokens the worker's nucleus may not have held
@@ -647,7 +656,7 @@ def _surely_kept(z: torch.Tensor, tokens: torch.Tensor, top_p: float, slack: flo
     units): at most the mass of the tokens within 2 slack below it or above can rank above it."""
     import torch
 
-    rows = torch.arange(len(tokens))
+    rows = torch.arange(len(tokens), device=z.device)
     zt = z[rows, tokens]
     probs = torch.softmax(z.double(), dim=-1)
     above = z > (zt - 2 * slack)[:, None]
@@ -1004,6 +1013,7 @@ def validate_batch(
                 declared.top_p,
                 declared.tolerance,
                 declared.dtype,
+                device=getattr(prefill, "device", "cpu"),  # where the prefill ran
             )
             for i, verdict in zip(part, replayed):
                 verdicts[i].append(verdict)

@@ -10,6 +10,10 @@ check of `gpu_workers.checks` against what the pool prescribes, never against wh
 - reward: recomputed with the same reward code the worker ran; the verdict carries the recomputed rewards,
   which are what the learner trains on.
 
+The prefill, and the replay check on its logits, run on `[validator] device` ("auto": the first CUDA device
+torch sees, else the CPU); the log line of every verdict and the heartbeat's `batches_on_<device>` say which
+device judged.
+
 A batch that cannot be read (missing, hash mismatch, malformed) is rejected with the reader's error as the
 reason. The claim has a lease: a validator that dies loses its claim to another after `lease_s`.
 
@@ -50,6 +54,7 @@ from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers import checks
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
+from gpu_workers.prefill import resolve_device
 from gpu_workers.rewards import sample_reward
 from gpu_workers.tasks import TaskDataset, prompt_tokens
 from gpu_workers.toploc import Thresholds
@@ -111,6 +116,8 @@ class Validator:
             ),
         )
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
+        self.device = resolve_device(config.device)  # a GPU that is not there stops the validator here
+        log.info("judging on %s (validator.device = %s)", self.device, config.device)
         self.tasks = tasks
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)
@@ -161,15 +168,26 @@ class Validator:
                 buffer_bytes=self.shardcast.buffer_mib << 20,
             )
         path = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s, manifest_sha256=pin).path
-        loaded = _Loaded(
-            Prefill(path, self.config.dtype), AutoTokenizer.from_pretrained(path), checks.stop_token_ids(path)
+        prefill = Prefill(
+            path,
+            self.config.dtype,
+            self.device,
+            memory_share=self.config.gpu_memory_share,
+            max_len=self.declared.max_model_len,
         )
+        loaded = _Loaded(prefill, AutoTokenizer.from_pretrained(path), checks.stop_token_ids(path))
         self.loaded[version] = loaded
         while len(self.loaded) > self.config.cache_versions:
             old, _ = self.loaded.popitem(last=False)
             shutil.rmtree(self.weights_dir / f"v{old:06d}", ignore_errors=True)
             log.info("dropped version %d from the cache", old)
-        log.info("loaded version %d for prefill (%s)", version, self.config.dtype)
+        log.info(
+            "loaded version %d for prefill (%s on %s, %d tokens a batch)",
+            version,
+            self.config.dtype,
+            self.device,
+            prefill.batch_tokens,
+        )
         return loaded
 
     # -- one batch ----------------------------------------------------------------------------------------
@@ -268,12 +286,13 @@ class Validator:
         rewards = [0.0 if r is None else float(r) for r in result.rewards()]
         summary = result.summary()
         log.info(
-            "%s from %s...: %s %s worst %s",
+            "%s from %s...: %s %s worst %s (judged on %s)",
             where,
             record.node_key[:16],
             "ACCEPTED" if result.accepted else "REJECTED",
             failed or "",
             summary["worst"],
+            self.device,
         )
         if result.accepted:
             return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)))
@@ -420,12 +439,15 @@ class Validator:
             return None, None
 
     def _metrics(self) -> dict[str, float]:
+        """The heartbeat's numbers (shown per node by the orchestrator): verdicts so far, their pace, and
+        `batches_on_<device>`, the batches this validator judged on its device (e.g. batches_on_cuda:0)."""
         st = self.stats
         return {
             "batches": st["batches"],
             "accepted": st["accepted"],
             "rejected": st["rejected"],
             "samples_per_s": st["samples"] / st["seconds"] if st["seconds"] else 0.0,
+            f"batches_on_{self.device}": st["batches"],
         }
 
     def _leave(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import types
 
@@ -489,3 +490,19 @@ def test_a_batch_the_orchestrator_takes_no_verdict_on_is_not_judged_again_and_ag
     monkeypatch.setattr("gpu_workers.validator.leave", lambda client: None)
     assert validator.run() == 0
     assert len(judged) == 1 and len(claims) >= 6 and validator.client.posted == []
+
+
+def test_the_verdict_names_the_device_that_judged_it(validator, tokenizer, monkeypatch, caplog):
+    """The replay check runs on the validator's device ([validator] device: "auto", the CPU without a GPU),
+    and the verdict's log line and the heartbeat's metrics name that device."""
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert validator.device == expected
+    validator.loaded[VERSION].prefill.device = expected
+    replayed_on = []
+    real = checks.check_replay_batch
+    monkeypatch.setattr(checks, "check_replay_batch", lambda *a, **k: replayed_on.append(k["device"]) or real(*a, **k))
+    with caplog.at_level(logging.INFO, logger="validator"):
+        validator._validate(_announce(validator, assigned_batch(tokenizer)))
+    assert replayed_on == [expected] and len(validator.client.posted) == 1
+    assert f"(judged on {expected})" in caplog.text
+    assert validator._metrics()[f"batches_on_{expected}"] == 1
