@@ -4,9 +4,9 @@ One loop, driven by heartbeats:
 
 1. heartbeat with the versions whose weights are on disk; the answer carries the policy (version, relays) and
    the node's open assignments (oldest first);
-2. a newer policy version starts downloading in a background thread (SHARDCAST), while generation carries on
-   with a version already held: the orchestrator assigns work at the newest version in the async window that
-   the worker says it holds (docs/design.md section 3);
+2. a newer policy version starts downloading in a background thread (SHARDCAST); the orchestrator assigns work
+   at the newest version announced, whatever the worker holds (docs/design.md section 3), and an assignment at
+   a version not held yet waits for its download;
 3. the oldest open assignment is generated at its version (swapping the engine's weights in place when the
    version changes), scored, written to the rollout store (`bridge.rollouts`, COMMIT last) and announced.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bridge.assignment import assigned_task_ids
-from bridge.protocol import Assignment, BatchAnnouncement, PolicyInfo
+from bridge.protocol import Assignment, BatchAnnouncement, OrchestratorError, PolicyInfo
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
@@ -270,7 +270,8 @@ class Worker:
         return batch
 
     def submit(self, a: Assignment) -> bool:
-        """Generate (unless already committed), store and announce assignment `a`; False if stopped."""
+        """Generate (unless already committed), store and announce assignment `a`: True once it is done with
+        (announced, or refused as lost or past its deadline: 410), False if stopped."""
         batch_id = self.batch_id(a)
         committed = patiently(
             lambda: [self.store.commit(a.version, batch_id)],
@@ -315,9 +316,15 @@ class Worker:
             num_samples=num_samples,
             num_tokens=num_tokens,
         )
-        record = patiently(
-            lambda: self.client.announce_batch(note), self.stop, f"announcing batch {batch_id}", rejoin=self._join
-        )
+        try:
+            record = patiently(
+                lambda: self.client.announce_batch(note), self.stop, f"announcing batch {batch_id}", rejoin=self._join
+            )
+        except OrchestratorError as err:
+            if err.status != 410:
+                raise
+            log.warning("batch %s was not taken: %s", batch_id, err.detail)  # past its deadline: on to the next
+            return True
         if record is not None:
             log.info("announced batch %s (%d samples, version %d)", batch_id, num_samples, a.version)
         return record is not None

@@ -93,6 +93,7 @@ def render(
             _card("batches-accepted", "batches accepted", counts.get(ACCEPTED, 0)),
             _card("batches-rejected", "batches rejected", counts.get(REJECTED, 0)),
             _card("assignments-expired", "assignments expired", svc.scheduler.expired_total),
+            _card("assignments-lost", "assignments lost (abandoned)", svc.scheduler.lost_total),
         ]
     )
     node_rows = "".join(
@@ -106,7 +107,7 @@ def render(
         f'<td class="n">{e.accepted_batches}</td><td class="n">{e.accepted_samples}</td>'
         f'<td class="n">{e.accepted_tokens}</td><td class="n">{e.rejected_batches}</td>'
         f"<td>{_e(', '.join(f'{k}: {v}' for k, v in sorted(e.rejection_reasons.items())))}</td>"
-        f'<td class="n">{e.expired_assignments}</td></tr>'
+        f'<td class="n">{e.lost_assignments}</td><td class="n">{e.expired_assignments}</td></tr>'
         for e in ledger.entries
     )
     pages = '<a id="first-page" href="/">first page</a>' if after else ""
@@ -133,7 +134,8 @@ refreshes every {REFRESH_S} s</div>
 <th>ban reason</th></tr></thead><tbody>{node_rows}</tbody></table>
 <h2>Ledger</h2>
 <table id="ledger"><thead><tr><th>node</th><th>role</th><th>accepted batches</th><th>accepted samples</th>
-<th>accepted tokens</th><th>rejected batches</th><th>rejections</th><th>expired assignments</th></tr></thead>
+<th>accepted tokens</th><th>rejected batches</th><th>rejections</th><th>lost assignments</th>
+<th>expired assignments</th></tr></thead>
 <tbody>{ledger_rows}</tbody></table>
 </body></html>
 """

@@ -10,14 +10,19 @@ One table holds the work: an assignment row gets its batch's fields when the wor
 (a batch is the output of exactly one assignment, docs/design.md section 6), and the verdict's when a validator judges
 it. Its `state` is the life of that work:
 
-    open --announce--> submitted --verdict--> accepted | rejected
-    open --node dead or banned--> lost --announce (the node came back with the batch)--> submitted
-    open --its deadline passed--> expired --announce (late, still in the window)--> submitted
+    open --announce (before its deadline)--> submitted --verdict--> accepted | rejected
+    open --the node left the pool or was banned--> lost
+    open --its deadline passed--> expired
 
-`expired_at` stays set once an assignment expired (a strike against its node, like a rejection, even when
-the batch comes late). `service_runs` records each start and clean stop of the service, and `nonces` the
-nonces a clean stop left unexpired (auth.py: a restart does not reopen old signatures). `policy.manifest_sha256`
-is what the learner announced for a version (SHARDCAST clients accept no other manifest for it).
+Lost and expired are final: a batch announced for them is refused (scheduler.py), so a worker cannot hold
+assignments back and announce only those it likes. A node that goes silent keeps its open assignments (they
+expire at their deadline); `abandoned_at` marks an assignment its node gave up by leaving (or held when it was
+banned), `expired_at` one whose deadline passed: each is a strike against the node, like a rejected batch. A
+`lost_at` without `abandoned_at` is work a rollback (rollback.py) took back, no fault of the node.
+
+`service_runs` records each start and clean stop of the service, and `nonces` the nonces a clean stop left
+unexpired (auth.py: a restart does not reopen old signatures). `policy.manifest_sha256` is what the learner
+announced for a version (SHARDCAST clients accept no other manifest for it).
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -56,7 +61,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -130,6 +135,7 @@ class Work(Base):
     issued_at: Mapped[float] = mapped_column(Float)
     lost_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     expired_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # its deadline passed while open
+    abandoned_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # given up by its node: a strike
     # The batch, from the worker's announcement.
     batch_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     store_path: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -208,6 +214,16 @@ def _v4_to_v5(conn: Connection) -> None:
 
 
 MIGRATIONS[4] = _v4_to_v5
+
+
+def _v5_to_v6(conn: Connection) -> None:
+    """`abandoned_at`: assignments a node gave up by leaving the pool (a strike). The lost work of earlier
+    versions stays without it: it was no strike when it was lost. A database that has the column keeps it."""
+    if "abandoned_at" not in {c["name"] for c in inspect(conn).get_columns(Work.__tablename__)}:
+        conn.execute(text("ALTER TABLE assignments ADD COLUMN abandoned_at FLOAT"))
+
+
+MIGRATIONS[5] = _v5_to_v6
 
 
 def sqlite_url(path: str | Path) -> str:

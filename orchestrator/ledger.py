@@ -3,7 +3,8 @@
 Credit comes from validators only: accepted samples are the number of rewards the validator recomputed and
 accepted tokens the validator's own count, never the worker's claims. Each rejected batch counts once under
 each failed check it names (or under its reason when it names none); assignments that passed their deadline
-count as expired.
+count as expired, and those the node gave up by leaving the pool (or held when it was banned) as lost. Each
+expired or lost assignment is a strike against the node, like a rejected batch.
 
 The ledger is paged by node key (`after`, `limit`): a page reads only its nodes' rows, so it costs the same in a
 pool of 100,000 nodes as in one of 100.
@@ -31,6 +32,7 @@ CSV_COLUMNS = (
     "rejected_batches",
     "rejection_reasons",
     "expired_assignments",
+    "lost_assignments",
     "first_seen",
     "last_seen",
     "banned",
@@ -69,14 +71,13 @@ def build_ledger(
     ):
         rejected[key] += 1
         reasons[key].update(checks or [reason or "unspecified"])
-    expired = (
+    expired, lost = (
         dict(
-            s.execute(
-                select(Work.node_key, func.count()).where(Work.expired_at.is_not(None), mine).group_by(Work.node_key)
-            ).all()
+            s.execute(select(Work.node_key, func.count()).where(when.is_not(None), mine).group_by(Work.node_key)).all()
         )
         if keys
         else {}
+        for when in (Work.expired_at, Work.abandoned_at)
     )
     entries = []
     for node in nodes:
@@ -92,6 +93,7 @@ def build_ledger(
                 rejected_batches=rejected[node.key],
                 rejection_reasons=dict(reasons[node.key]),
                 expired_assignments=expired.get(node.key, 0),
+                lost_assignments=lost.get(node.key, 0),
                 first_seen=node.first_seen,
                 last_seen=live.last_seen if live else node.last_seen,
                 banned=node.banned,
@@ -118,6 +120,7 @@ def ledger_csv(ledger: Ledger) -> str:
                 e.rejected_batches,
                 reasons,
                 e.expired_assignments,
+                e.lost_assignments,
                 f"{e.first_seen:.3f}",
                 f"{e.last_seen:.3f}",
                 str(e.banned).lower(),

@@ -5,10 +5,13 @@ Liveness is a function of the time since a node's last heartbeat:
     healthy  --silent unhealthy_after_s-->  unhealthy  --silent dead_after_s-->  dead
        ^-------------------- any heartbeat (from either) -------------------------'
 
-`sweep()` applies it to every node (the service calls it about every second); a node that turns dead, or
-is banned, loses its open assignments (state `lost`), which frees their room in the async window so that the
-work is handed out again. A node that comes back is healthy again and may still announce a batch for a lost
-assignment: finished work is never thrown away.
+`sweep()` applies it to every node (the service calls it about every second). A dead node gets no new work
+but keeps its open assignments: a worker generating a long batch is silent meanwhile, and one that restarts
+finds its assignment in the next heartbeat's answer; what it does not announce by the deadline expires, a
+strike (scheduler.py). A node that leaves (deregisters) or is banned loses its open assignments at once (state
+`lost`, `abandoned_at` set): their room in the async window is handed out again, each counts against the node
+like an expiry, and a batch announced for one later is refused. So no way out of an assignment is free: a
+worker cannot draw assignments and keep only those whose rewards it likes (docs/orchestrator.md).
 
 The registry keeps every node's key, role, state, ban and last heartbeat in memory (the hot path of every
 request) and writes each change through to the database, except what a heartbeat changes: the time of the last
@@ -85,7 +88,8 @@ class NodeRegistry:
         self.dead_after_s = dead_after_s
         self.challenge_timeout_s = challenge_timeout_s
         self.clock = clock
-        self.on_release: Callable[[str], None] = lambda key: None  # told after a node's open work is released
+        # told after a node's open work was lost (it left or was banned)
+        self.on_release: Callable[[str], None] = lambda key: None
         now = clock()
         with db() as s:  # columns, not ORM objects: a restart at 100,000 nodes loads in a fraction of a second
             self.live = {
@@ -182,9 +186,9 @@ class NodeRegistry:
         return node
 
     def sweep(self, flush: bool = False) -> list[str]:
-        """Move silent nodes along healthy -> unhealthy -> dead, release the open work of the newly dead, and
-        write heartbeat times behind (each node's every FLUSH_S, or every one now if `flush`). Returns the keys that
-        died."""
+        """Move silent nodes along healthy -> unhealthy -> dead and write heartbeat times behind (each node's
+        every FLUSH_S, or every one now if `flush`). Returns the keys that died (their open work stays theirs
+        until its deadline)."""
         now = self.clock()
         unhealthy_after_s = self.unhealthy_after_s
         died, changes = [], []
@@ -210,18 +214,15 @@ class NodeRegistry:
         if changes:
             with self.db.begin() as s:
                 s.execute(_WRITE_BEHIND, changes)
-                for key in died:
-                    release_open_work(s, key, now)
         for change in changes:
             node = self.live[change["k"]]
             node.state, node.flushed = change["st"], change["seen"]
-        for key in died:
-            self.on_release(key)
         return died
 
     def leave(self, key: str) -> None:
-        """A node signing off (SIGTERM): it is dead at once and its open assignments go back to the queue, as if
-        it had been silent for dead_after_s; a later heartbeat makes it healthy again."""
+        """A node signing off (SIGTERM): it is dead at once and its open assignments are lost (abandoned: each a
+        strike against it, like an expiry, and their room goes back to the queue); a later heartbeat makes it
+        healthy again."""
         now = self.clock()
         with self.db.begin() as s:
             s.execute(update(Node).where(Node.key == key).values(state=DEAD, last_seen=now))
@@ -231,7 +232,7 @@ class NodeRegistry:
         self.on_release(key)
 
     def ban(self, key: str, reason: str) -> None:
-        """Ban `key` (404 if unknown); its open assignments are released."""
+        """Ban `key` (404 if unknown); its open assignments are lost."""
         if key not in self.live:
             raise HTTPException(404, f"no node with key {key}")
         now = self.clock()
@@ -287,5 +288,8 @@ class NodeRegistry:
 
 
 def release_open_work(s: Session, key: str, now: float) -> None:
-    """The node's open assignments go back: marked lost, they no longer hold room in the async window."""
-    s.execute(update(Work).where(Work.node_key == key, Work.state == OPEN).values(state=LOST, lost_at=now))
+    """The node gives its open assignments up: marked lost and abandoned, they no longer hold room in the async
+    window, can no longer be announced, and each counts against the node (scheduler.py `_should_ban`)."""
+    s.execute(
+        update(Work).where(Work.node_key == key, Work.state == OPEN).values(state=LOST, lost_at=now, abandoned_at=now)
+    )

@@ -10,16 +10,21 @@ unread. A batch leaves the count when the learner reads it (GET /v1/batches with
 rejected, when its assignment is lost, or when its version leaves the window; each frees room for a new
 assignment. On top of that a worker holds at most `max_inflight_per_node` open assignments.
 
-Deadlines. An assignment not announced within `deadline_s` of its issue expires (`expire()`, from the
-service's sweep): it leaves the window, so its room is handed out again, and it counts against its node like a
-rejection (`ban_after_rejections` strikes of either kind within `rejection_window_s` ban the node). A late batch
-is still taken while its version is in the window; the strike stays. Workers that have never had a batch
-accepted ("unproven": every fresh key) hold at most `unproven_share` of the window's capacity between them, so
-keys that heartbeat and never deliver cannot hold the window, not even for one deadline.
+Deadlines and strikes. An assignment not announced within `deadline_s` of its issue expires (`expire()`, from
+the service's sweep): it leaves the window, so its room is handed out again, and it counts against its node like
+a rejection. An assignment its node gave up by leaving the pool is lost and counts the same (`_released`).
+`ban_after_rejections` strikes of any of these kinds within `rejection_window_s` ban the node. Lost and expired
+are final: a batch announced for one, or for an open assignment past its deadline, is refused with 410 and
+never validated. Together these make every assignment drawn either announced (and judged) or a strike, so a
+worker cannot draw assignments and train the pool only on those whose rewards it liked (issue 36). Workers that
+have never had a batch accepted ("unproven": every fresh key) hold at most `unproven_share` of the window's
+capacity between them, so keys that heartbeat and never deliver cannot hold the window, not even for one
+deadline.
 
-Assignments are given at the newest version in the window whose weights the worker says it holds, else at V.
-The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.assignment` from
-(node key, v, k), so a validator recomputes them.
+Assignments are given at V, the newest version the learner announced (it announces a version once its weights
+are published): the orchestrator chooses, whatever versions the worker says it holds (it fetches V if it has
+not). The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.assignment` from
+(node key, v, k), so a validator recomputes them; k only grows, so a node never draws the same slot twice.
 
 The hot paths (issuing an assignment, announcing, claiming, judging) run prebuilt SQLAlchemy Core statements
 through `HotPath` (db.py): one held connection, each statement compiled once, and on SQLite executed on the
@@ -176,6 +181,7 @@ class WorkScheduler:
             newest = s.scalar(select(func.max(Work.version)))
             self._newest_at_start = -1 if newest is None else newest
             self.expired_total = s.scalar(select(func.count()).select_from(Work).where(Work.expired_at.is_not(None)))
+            self.lost_total = s.scalar(select(func.count()).select_from(Work).where(Work.abandoned_at.is_not(None)))
         # open assignments held by workers without an accepted batch, kept by deltas
         self._unproven_open = sum(len(v) for k, v in self._open.items() if k not in self._proven)
         registry.on_release = self._released
@@ -278,10 +284,21 @@ class WorkScheduler:
         return gone
 
     def _released(self, key: str) -> None:
-        """The node's open assignments were marked lost (it died or was banned)."""
-        self._window_add(-sum(self._in_window(a.version) for a in self._drop_open(key)))
+        """The node's open assignments were marked lost (it left or was banned): out of the window, and a strike
+        each, which may ban a node that left."""
+        gone = self._drop_open(key)
+        self._window_add(-sum(self._in_window(a.version) for a in gone))
+        self.lost_total += len(gone)
+        if gone and self._should_ban(key, self.clock()):
+            self.registry.ban(key, self._strikes_reason())
 
-    def open_assignments(self, key: str, loaded_versions: Sequence[int]) -> list[Assignment]:
+    def _strikes_reason(self) -> str:
+        return (
+            f"automatic: {self.ban_after_rejections} rejected batches, abandoned assignments or expired "
+            f"assignments within {self.rejection_window_s:g} s"
+        )
+
+    def open_assignments(self, key: str) -> list[Assignment]:
         """The worker's open assignments, after giving it a new one if it has room, the window has too, and (for
         a worker without an accepted batch) the unproven share of the window has room."""
         mine = self._open.get(key, [])
@@ -290,7 +307,7 @@ class WorkScheduler:
             and self.window_work() < self.capacity
             and (key in self._proven or self._unproven_open < self.unproven_capacity)
         ):
-            work = self._issue(key, loaded_versions)
+            work = self._issue(key)
             mine = self._open[key]
             mine.append(self._to_assignment(work))
             self._deadlines.append((work.issued_at + self.deadline_s, work.id, key))
@@ -320,16 +337,11 @@ class WorkScheduler:
             self._window_add(-sum(self._in_window(a.version) for a in self._drop_open(key, ids)))
         for key in by_node:
             if self._should_ban(key, now):
-                self.registry.ban(
-                    key,
-                    f"automatic: {self.ban_after_rejections} rejected batches or expired "
-                    f"assignments within {self.rejection_window_s:g} s",
-                )
+                self.registry.ban(key, self._strikes_reason())
         return due
 
-    def _issue(self, key: str, loaded_versions: Sequence[int]) -> SimpleNamespace:
-        usable = [v for v in loaded_versions if self.policy.min_version <= v <= self.policy.version]
-        version = max(usable, default=self.policy.version)
+    def _issue(self, key: str) -> SimpleNamespace:
+        version = self.policy.version
         hot = self.hot
         with hot.begin() as conn:
             k = self._next_k.get((key, version))
@@ -353,18 +365,22 @@ class WorkScheduler:
     # -- batches --------------------------------------------------------------------------------------------
 
     def announce(self, key: str, msg: BatchAnnouncement) -> BatchRecord:
-        """Record a committed batch for one of the worker's assignments; repeating it is a no-op."""
+        """Record a committed batch for one of the worker's open assignments; repeating it is a no-op. An
+        assignment lost, expired or past its deadline is refused with 410 (see the module docstring)."""
         hot = self.hot
+        now = self.clock()
         with hot.begin() as conn:
             row = hot.first(conn, _BY_ID, {"wid": msg.assignment_id})
             work = None if row is None else SimpleNamespace(**row)
-            revived = work is not None and work.state in (LOST, EXPIRED) and self._in_window(work.version)
             if work is None or work.node_key != key:
                 raise HTTPException(404, f"assignment_id {msg.assignment_id}: no such assignment of this node")
             if work.batch_id is not None:
                 if work.batch_id == msg.batch_id and work.sha256 == msg.sha256:
-                    return batch_record(work, self.clock())
+                    return batch_record(work, now)
                 raise HTTPException(409, f"assignment {work.id} already has batch {work.batch_id!r}")
+            gone = self._gone(work, now)
+            if gone is not None:
+                raise HTTPException(410, f"assignment {work.id} (version {work.version}, k {work.k}) {gone}")
             expected_samples = work.prompts * work.samples_per_prompt
             problems = []
             if msg.version != work.version:
@@ -383,7 +399,6 @@ class WorkScheduler:
                 )
             if hot.scalar(conn, _ID_OF_BATCH, {"batch": msg.batch_id}) is not None:
                 raise HTTPException(409, f"batch_id {msg.batch_id!r} is already taken by another assignment")
-            now = self.clock()
             change = dict(
                 state=SUBMITTED,
                 batch_id=msg.batch_id,
@@ -396,9 +411,23 @@ class WorkScheduler:
             hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record = batch_record(work, now)
-        self._drop_open(key, {msg.assignment_id})
-        self._window_add(int(revived))  # open -> submitted stays in the window; lost/expired -> submitted: back
+        self._drop_open(key, {msg.assignment_id})  # open -> submitted: it stays in the window
         return record
+
+    def _gone(self, work: Any, now: float) -> str | None:
+        """Why an assignment without a batch can no longer take one (None: it is open and in time)."""
+        deadline = work.issued_at + self.deadline_s
+        why = "; a batch for it is never validated: take the next assignment"
+        if work.state == LOST and work.abandoned_at is not None:
+            return f"was lost at {work.abandoned_at:.3f}: this node left the pool holding it (a strike){why}"
+        if work.state == LOST:
+            return f"was lost at {work.lost_at:.3f}: the run was rolled back past its version{why}"
+        if work.state == EXPIRED or now >= deadline:
+            return (
+                f"expired: its deadline {deadline:.3f} ({self.deadline_s:g} s after it was issued) passed before "
+                f"its batch was announced (a strike){why}"
+            )
+        return None
 
     def claim(self, key: str, lease_s: float | None) -> tuple[BatchRecord | None, float | None]:
         """The batch this validator holds a live claim on, else the oldest unclaimed (or lapsed) batch."""
@@ -471,8 +500,8 @@ class WorkScheduler:
         return record, True
 
     def _should_ban(self, worker: str, now: float) -> bool:
-        """Strikes within the window reach ban_after_rejections: rejected batches and expired assignments (an
-        assignment that expired and was then rejected counts once)."""
+        """Strikes within the window reach ban_after_rejections: rejected batches, expired assignments and
+        assignments the node abandoned by leaving the pool (each row is one of these at most)."""
         if self.ban_after_rejections == 0 or self.registry.live[worker].banned:
             return False
         since = now - self.rejection_window_s
@@ -482,7 +511,11 @@ class WorkScheduler:
                 .select_from(Work)
                 .where(
                     Work.node_key == worker,
-                    or_((Work.state == REJECTED) & (Work.verdict_at > since), Work.expired_at > since),
+                    or_(
+                        (Work.state == REJECTED) & (Work.verdict_at > since),
+                        Work.expired_at > since,
+                        Work.abandoned_at > since,
+                    ),
                 )
             )
         return recent >= self.ban_after_rejections

@@ -159,7 +159,7 @@ class Orchestrator:
         """Liveness transitions and heartbeat write-behind (see nodes.py; `flush`: write every heartbeat time
         now), assignments past their deadline (scheduler.py), and forgetting expired nonces and sessions."""
         for key in self.registry.sweep(flush):
-            log.warning("node %s... is dead; its open assignments are released", key[:16])
+            log.warning("node %s... is dead; its open assignments stay its own until their deadline", key[:16])
         for key, wid in self.scheduler.expire():
             log.warning(
                 "assignment %d of node %s... expired (%g s deadline): handed out again, a strike against the node",
@@ -200,7 +200,7 @@ class NodeRoutes:
     def heartbeat(self, key: str, _node: LiveNode, body: HeartbeatRequest) -> bytes:
         svc = self.svc
         live = svc.registry.heartbeat(key, dict(body.metrics))
-        work = svc.scheduler.open_assignments(key, body.loaded_versions) if live.role == "worker" else []
+        work = svc.scheduler.open_assignments(key) if live.role == "worker" else []
         return svc.heartbeat_reply(live.state, work)
 
     def announce(self, key: str, _node: LiveNode, body: BatchAnnouncement) -> bytes:

@@ -163,7 +163,10 @@ class SessionResponse(Reply):
 
 class HeartbeatRequest(Request):
     loaded_versions: list[Version] = Field(
-        default=[], max_length=64, description="policy versions whose weights the node holds"
+        default=[],
+        max_length=64,
+        description="policy versions whose weights the node holds (not a choice: the orchestrator assigns the "
+        "current version whatever the node holds)",
     )
     metrics: dict[Annotated[str, Field(max_length=64, pattern=r"^[^\x00]*$")], Finite] = Field(
         default={}, max_length=64, description="free-form numbers shown to the operator"
@@ -351,6 +354,9 @@ class LedgerEntry(Reply):
     rejected_batches: int
     rejection_reasons: dict[str, int] = Field(description="failed check (or reason) -> rejected batches")
     expired_assignments: int = Field(0, description="assignments whose deadline passed before their batch came")
+    lost_assignments: int = Field(
+        0, description="assignments the node gave up by leaving the pool (or held when banned); strikes like expiries"
+    )
     first_seen: float
     last_seen: float
     banned: bool
