@@ -59,6 +59,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 32768
+    attention: str = "auto"  # the attention kernel (`jax_trainer.attention.IMPLEMENTATIONS`); not from HF
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

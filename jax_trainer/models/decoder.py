@@ -35,17 +35,17 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         self.mlp = MLP(cfg, param_dtype, compute_dtype, rngs)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.attn(self.input_norm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, segment_ids):
+        x = x + self.attn(self.input_norm(x), cos, sin, segment_ids)
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
 
-def _run_layer(layer: DecoderLayer, x, cos, sin, mask):
-    return layer(x, cos, sin, mask)
+def _run_layer(layer: DecoderLayer, x, cos, sin, segment_ids):
+    return layer(x, cos, sin, segment_ids)
 
 
-def _run_layer_remat(layer: DecoderLayer, x, cos, sin, mask):
+def _run_layer_remat(layer: DecoderLayer, x, cos, sin, segment_ids):
     """`_run_layer` under `jax.checkpoint`, on the layer's parameters as plain arrays.
 
     `nnx.remat` would re-bind the layer's `Param` objects inside the checkpoint, and nnx refuses that when the
@@ -55,10 +55,10 @@ def _run_layer_remat(layer: DecoderLayer, x, cos, sin, mask):
     """
     graphdef, state = nnx.split(layer)
 
-    def run(state, x, cos, sin, mask):
-        return nnx.merge(graphdef, state)(x, cos, sin, mask)
+    def run(state, x, cos, sin, segment_ids):
+        return nnx.merge(graphdef, state)(x, cos, sin, segment_ids)
 
-    return jax.checkpoint(run)(state, x, cos, sin, mask)
+    return jax.checkpoint(run)(state, x, cos, sin, segment_ids)
 
 
 class Decoder(nnx.Module):
@@ -107,18 +107,15 @@ class Decoder(nnx.Module):
         b, s = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        causal = jnp.tril(jnp.ones((s, s), dtype=jnp.bool_))[None]
         if segment_ids is None:
-            mask = jnp.broadcast_to(causal, (b, s, s))
-        else:
-            mask = causal & (segment_ids[:, :, None] == segment_ids[:, None, :])
+            segment_ids = jnp.zeros((b, s), jnp.int32)
         cos, sin = rope_tables(positions, rope_inv_freq(cfg.rope, cfg.head_dim), dt)
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "length", "act_embed"))
         run = _run_layer_remat if self.remat else _run_layer
         for layer in self.layers:
-            x = run(layer, x, cos, sin, mask)
+            x = run(layer, x, cos, sin, segment_ids)
         return self.final_norm(x)
 
     def head(self) -> jax.Array:

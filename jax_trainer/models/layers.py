@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_trainer import kernels
+from jax_trainer.attention import attention, check_name
 from jax_trainer.models.config import ModelConfig, RopeConfig
 from jax_trainer.sharding import constrain
 
@@ -80,17 +81,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
-ATTENTION_BLOCK = 128  # queries per block of `kernels.causal_attention`; key blocks after the block are skipped
-
-
 class Attention(nnx.Module):
     """Causal grouped-query attention with optional q/k/v bias and per-head q/k RMSNorm (Qwen3).
 
-    `mask` [batch, seq, seq] (query, key) must be causal (the decoder's causal-and-same-segment mask).
+    `segment_ids` [batch, seq] int32: a token attends to earlier tokens of its own segment only. The kernel is
+    `cfg.attention` (`jax_trainer.attention`: auto, xla, cudnn, splash), which builds the mask it needs.
     """
 
     def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
         h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        check_name(cfg.attention)
         self.cfg = cfg
         self.dtype = compute_dtype
         std = 1.0 / math.sqrt(h)
@@ -108,7 +108,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
         q = dense(x, self.q_proj[...], 1, dt)
         k = dense(x, self.k_proj[...], 1, dt)
@@ -123,11 +123,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        b, s = x.shape[:2]
-        # head-major [batch, kv_heads, group, seq, head_dim]: each KV head serves `q_per_kv` query heads
-        q = q.reshape(b, s, cfg.num_kv_heads, cfg.q_per_kv, cfg.head_dim).transpose(0, 2, 3, 1, 4)
-        out = kernels.causal_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, ATTENTION_BLOCK)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(b, s, cfg.num_heads, cfg.head_dim)
+        out = attention(q, k, v, segment_ids, cfg.attention)
         out = dense(out, self.o_proj[...], 2, dt)
         if cfg.o_bias:
             out = out + self.o_bias[...].astype(dt)
