@@ -4,16 +4,21 @@ Every node (origin, relays, clients) runs as its own process in its own network 
 only interface is a TUN device. This script is the network between them: a packet-level link emulator (a
 forked process) that reads every IP packet from the TUN devices and delivers it after each node's access link:
 its uplink, then the destination's downlink, each with a rate (serialised packet by packet, a FIFO of at most
-`QUEUE_S` seconds, tail drop beyond), a one-way delay, and random loss on the path. The kernel here has no
-`netem` (nor `iptables`), so delay and loss cannot be done with `tc`; packets are 1500-byte IP packets, as on
-the internet. A profile's RTT is 4 one-way delays (uplink and downlink, both ways).
+`QUEUE_S` seconds, tail drop beyond), a one-way delay, and random loss on the path. It does not need `tc
+netem` or `iptables` (kernels without them run it too); packets are 1500-byte IP packets, as on the internet.
+A profile's RTT is 4 one-way delays (uplink and downlink, both ways).
 
-Each run: every node holds version 0 (the relays serve it), every client waits with `intellect shardcast
-fetch --version 1`; then version 1 (a Qwen2.5-shaped bf16 model stepped by AdamW at lr 3e-7, see
-`shardcast_delta_bytes.py`) is published at the origin, with deltas (against v0) or without; the time is from
-its STABLE to the last client's exit, every client's files checked against the origin's. Prints JSON.
+Each run: every node holds version 0 (the relays serve it); then versions 1..`--versions` (a Qwen2.5-shaped
+bf16 model stepped by AdamW at lr 3e-7, see `shardcast_delta_bytes.py`) are published at the origin one after
+another, each with part hashes (so the relays pipeline it: they serve each part once checked and answer 503
+for parts still arriving) and with deltas against the version before it, or without. For each version every
+client runs `intellect shardcast fetch --version N --wait` with `--parallel` download threads; the time is from
+its STABLE to the last client's exit. Beside the times, the report counts failed fetches, landings whose
+files do not have the origin's sha256, clients that distrusted a relay, and the lines where relays and
+clients logged a distrust or a sha256 failure (an honest setup must show none). Prints JSON.
 
     sudo .venv/bin/python benchmarks/shardcast_wan.py [--clients 4] [--profiles 100mbit_40ms,20mbit_loss0.1]
+        [--versions 20] [--parallel 4] [--kinds full,deltas]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import random
 import select
 import shutil
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -165,18 +171,18 @@ def copy_version(src: Path, dest_root: Path) -> None:
             shutil.copyfile(p, dest / p.name)
 
 
-def stage(versions: list[Path], with_deltas: bool, staging: Path) -> None:
-    """Version 1 as the learner would export it: its files with their part hashes (so relays pass each part on
-    as soon as it is checked), with or without deltas against v0."""
+def stage(versions: list[Path], version: int, with_deltas: bool, staging: Path) -> None:
+    """`version` as the learner would export it: its files with their part hashes (so relays pass each part on
+    as soon as it is checked), with or without deltas against the version before it."""
     staging.mkdir(parents=True)
-    src = versions[1]
+    src = versions[version]
     manifest = json.loads((src / "manifest.json").read_text())
     manifest["part_size"] = PART_SIZE
     for entry in manifest["files"]:
         shutil.copyfile(src / entry["name"], staging / entry["name"])
         entry["sha256"], entry["parts"] = hash_file_parts(staging / entry["name"], PART_SIZE)
     if with_deltas:
-        manifest["deltas"] = delta.write_deltas(staging, manifest["files"], [(0, versions[0])])
+        manifest["deltas"] = delta.write_deltas(staging, manifest["files"], [(version - 1, versions[version - 1])])
     (staging / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -199,7 +205,26 @@ def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 60.0) -> str
     raise RuntimeError(f"{proc.args[-8:]} did not print {needle!r}")
 
 
-def run_once(net: Network, versions: list[Path], clients: list[str], work: Path, with_deltas: bool) -> dict:
+TRUST_EVENTS = ("distrusted", "fails its sha256", "sha256 mismatch")  # what a node logs when it distrusts one
+
+
+def trust_events(log: Path) -> int:
+    """Lines of a node's log where it distrusted a server or caught bytes failing a sha256 check."""
+    return sum(any(e in line for e in TRUST_EVENTS) for line in log.read_text(errors="replace").splitlines())
+
+
+def run_series(
+    net: Network,
+    versions: list[Path],
+    clients: list[str],
+    work: Path,
+    with_deltas: bool,
+    parallel: int,
+    fetch_timeout: float,
+) -> dict:
+    """Versions 1..N published one after another through origin -> 2 pipelining relays -> clients; every client
+    fetches each one (`parallel` download threads). A failed fetch, a wrong byte or a distrusted relay is
+    counted, not fatal: the next version goes on."""
     cli = [PY, "-m", "intellect", "shardcast"]
     # no orchestrator here: relays mirror what the origin offers (pinning is tested elsewhere)
     env = {
@@ -207,12 +232,13 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
         "INTELLECT_RUN__LOG_LEVEL": "WARNING",
         "PYTHONPATH": str(REPO),
         "INTELLECT_SHARDCAST__PIN_MANIFESTS": "false",
+        "INTELLECT_SHARDCAST__PARALLEL": str(parallel),
     }
     procs: list[subprocess.Popen] = []
     logs = []
 
-    def start(node: str, argv: list[str]) -> subprocess.Popen:
-        log = open(work / f"{node}.log", "wb")
+    def start(node: str, argv: list[str], log_name: str | None = None) -> subprocess.Popen:
+        log = open(work / f"{log_name or node}.log", "wb")
         logs.append(log)
         procs.append(
             subprocess.Popen(
@@ -221,15 +247,15 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
         )
         return procs[-1]
 
+    per_version: list[dict] = []
     try:
         origin_dir = work / "origin"
         copy_version(versions[0], origin_dir)
-        staging = work / "staging" / "v000001"
-        stage(versions, with_deltas, staging)
         origin = start("origin", ["origin", "--dir", str(origin_dir), "--host", net.ip["origin"], "--port", "8100"])
         wait_line(origin, "serving")
+        relays = ("relay0", "relay1")
         relay_urls = []
-        for r in ("relay0", "relay1"):
+        for r in relays:
             copy_version(versions[0], work / r)
             (work / r / "v000000" / ".synced").write_text("1\n")
             relay = start(
@@ -250,46 +276,62 @@ def run_once(net: Network, versions: list[Path], clients: list[str], work: Path,
             )
             wait_line(relay, "serving")
             relay_urls.append(f"http://{net.ip[r]}:8101")
-        fetchers = []
         for c in clients:
             copy_version(versions[0], work / c)
-            fetchers.append(
-                start(
-                    c,
-                    [
-                        "fetch",
-                        "--servers",
-                        ",".join(relay_urls),
-                        "--version",
-                        "1",
-                        "--wait",
-                        "900",
-                        "--out",
-                        str(work / c),
-                        "--json",
-                    ],
-                )
-            )
-        time.sleep(3.0)  # every client is up and waiting
-        t0 = time.monotonic()
-        os.rename(staging, origin_dir / "v000001")
-        (origin_dir / "v000001" / "STABLE").write_text("1\n")
-        ends, results = [], []
-        for i, proc in enumerate(fetchers):
-            out, _ = proc.communicate(timeout=1200)
-            ends.append(time.monotonic())
-            if proc.returncode != 0:
-                raise RuntimeError(f"{clients[i]} failed: {(work / f'{clients[i]}.log').read_text()[-2000:]}")
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        expected = json.loads((origin_dir / "v000001" / "manifest.json").read_text())["files"]
-        for c in clients:
-            for entry in expected:
-                assert sha256(work / c / "v000001" / entry["name"]) == entry["sha256"], (c, entry["name"])
+        for version in range(1, len(versions)):
+            staging = work / "staging" / f"v{version:06d}"
+            stage(versions, version, with_deltas, staging)
+            fetchers = {}
+            for c in clients:
+                argv = ["fetch", "--servers", ",".join(relay_urls), "--version", str(version), "--wait", "900"]
+                fetchers[c] = start(c, [*argv, "--out", str(work / c), "--json"], f"{c}-v{version}")
+            time.sleep(3.0)  # every client is up and waiting
+            t0 = time.monotonic()
+            os.rename(staging, origin_dir / f"v{version:06d}")
+            (origin_dir / f"v{version:06d}" / "STABLE").write_text(f"{version}\n")
+            expected = json.loads((origin_dir / f"v{version:06d}" / "manifest.json").read_text())["files"]
+            row: dict = {"version": version, "failed": {}, "wrong_bytes": [], "distrusted": [], "received": []}
+            ends, fetch_s = [], []
+            for c, proc in fetchers.items():
+                try:
+                    out, _ = proc.communicate(timeout=max(1.0, t0 + fetch_timeout - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, _ = proc.communicate()
+                ends.append(time.monotonic())
+                log = work / f"{c}-v{version}.log"
+                if proc.returncode != 0:
+                    row["failed"][c] = log.read_text(errors="replace")[-600:]
+                    continue
+                result = json.loads(out.strip().splitlines()[-1])
+                row["received"].append(result["received_bytes"])
+                fetch_s.append(result["seconds"])
+                row["distrusted"] += [f"{c}: {s}" for s, st in result["servers"].items() if st["distrusted"]]
+                for entry in expected:
+                    if sha256(work / c / f"v{version:06d}" / entry["name"]) != entry["sha256"]:
+                        row["wrong_bytes"].append(f"{c}: {entry['name']}")
+                old = work / c / f"v{version - 2:06d}"
+                if version >= 2 and old.exists():
+                    shutil.rmtree(old)  # a client keeps the base of the next delta, not every version
+            row["stable_to_last_client_s"] = round(max(ends) - t0, 2)
+            row["per_client_fetch_s"] = fetch_s  # each client's own download, after the wait
+            per_version.append(row)
+            print(json.dumps({"kind": "deltas" if with_deltas else "full", **row}), file=sys.stderr, flush=True)
+        times = [row["stable_to_last_client_s"] for row in per_version]
         return {
-            "stable_to_last_client_s": round(max(ends) - t0, 2),
-            "per_client_received_bytes": [r["received_bytes"] for r in results],
-            "per_client_rebuilt_files": [r.get("rebuilt_files", 0) for r in results],
-            "per_client_fetch_s": [r["seconds"] for r in results],  # its own download, after the wait
+            "versions": len(per_version),
+            "stable_to_last_client_s": round(statistics.median(times), 2),  # median over the versions
+            "per_version_s": times,
+            "failed_fetches": sum(len(row["failed"]) for row in per_version),
+            "wrong_landings": sum(len(row["wrong_bytes"]) for row in per_version),
+            "clients_distrusting_a_relay": sum(len(row["distrusted"]) for row in per_version),
+            "relay_trust_events": {r: trust_events(work / f"{r}.log") for r in relays},
+            "client_trust_events": sum(
+                trust_events(work / f"{c}-v{v}.log") for c in clients for v in range(1, len(versions))
+            ),
+            "failures": {f"v{row['version']}": row["failed"] for row in per_version if row["failed"]},
+            "per_client_received_bytes": [row["received"] for row in per_version],
+            "per_client_fetch_s": [row["per_client_fetch_s"] for row in per_version],
             "version_bytes": sum(e["size"] for e in expected),
         }
     finally:
@@ -309,7 +351,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=SMALL_MODEL["layers"])
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--versions", type=int, default=1, help="consecutive versions published per run (1..N)")
+    ap.add_argument("--parallel", type=int, default=4, help="download threads of every client and relay")
+    ap.add_argument("--kinds", default="full,deltas", help="full, deltas, or both (comma-separated)")
+    ap.add_argument("--fetch-timeout", type=float, default=1200.0, help="seconds a client may take per version")
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if not kinds or any(k not in ("full", "deltas") for k in kinds):
+        sys.exit(f"--kinds {args.kinds!r}: expected 'full', 'deltas' or 'full,deltas'")
+    if args.versions < 1 or args.parallel < 1:
+        sys.exit(f"--versions {args.versions} and --parallel {args.parallel} must be at least 1")
     if os.geteuid() != 0:
         sys.exit("run as root: the benchmark makes network namespaces and TUN devices")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` still removes the namespaces
@@ -320,12 +371,14 @@ def main() -> None:
         "machine": platform.node(),
         "cpus": os.cpu_count(),
         "clients": args.clients,
+        "versions": args.versions,
+        "parallel": args.parallel,
         "model": {**SMALL_MODEL, "layers": args.layers, "lr": 3e-7},
         "queue_s": QUEUE_S,
         "profiles": {},
     }
     try:
-        versions = synthetic_versions(root / "versions", 1, args.layers, 3e-7, 0, SMALL_MODEL)
+        versions = synthetic_versions(root / "versions", args.versions, args.layers, 3e-7, 0, SMALL_MODEL)
         for name in args.profiles.split(","):
             profile = PROFILES[name]
             stats_path = root / f"net-{name}.json"
@@ -339,22 +392,36 @@ def main() -> None:
             entry = report["profiles"][name] = {
                 **profile,
                 "rtt_ms": round(4 * profile["one_way_s"] * 1000),
-                "full": [],
-                "deltas": [],
+                **{k: [] for k in kinds},
             }
             try:
                 for r in range(args.repeat):
-                    for kind in ("full", "deltas"):
+                    for kind in kinds:
                         work = root / f"{name}-{kind}-{r}"
                         work.mkdir()
-                        entry[kind].append(run_once(net, versions, clients, work, kind == "deltas"))
+                        entry[kind].append(
+                            run_series(
+                                net, versions, clients, work, kind == "deltas", args.parallel, args.fetch_timeout
+                            )
+                        )
                         shutil.rmtree(work)
                         print(json.dumps({name: {kind: entry[kind][-1]}}), file=sys.stderr, flush=True)
             finally:
                 emulator.kill()
                 emulator.join()
-            best = {k: min(run["stable_to_last_client_s"] for run in entry[k]) for k in ("full", "deltas")}
-            entry["speedup_deltas_vs_full"] = round(best["full"] / best["deltas"], 1)
+            for kind in kinds:
+                runs = entry[kind]
+                entry[f"{kind}_summary"] = {
+                    "best_s": min(run["stable_to_last_client_s"] for run in runs),
+                    "failed_fetches": sum(run["failed_fetches"] for run in runs),
+                    "wrong_landings": sum(run["wrong_landings"] for run in runs),
+                    "clients_distrusting_a_relay": sum(run["clients_distrusting_a_relay"] for run in runs),
+                    "relay_trust_events": sum(sum(run["relay_trust_events"].values()) for run in runs),
+                    "client_trust_events": sum(run["client_trust_events"] for run in runs),
+                }
+            if len(kinds) == 2:
+                best = {k: entry[f"{k}_summary"]["best_s"] for k in kinds}
+                entry["speedup_deltas_vs_full"] = round(best["full"] / best["deltas"], 1)
             if stats_path.exists():
                 entry["emulator_last_counts"] = json.loads(stats_path.read_text())
     finally:
