@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 from helpers import free_port
-from test_shardcast import FAST, Cluster, assert_landed, get_json, payload, publish, wait_until
-from test_shardcast_pipeline import FirstBytes, Watch
+from test_shardcast import Cluster, assert_landed, get_json, payload, publish, wait_until
+from test_shardcast_pipeline import FirstBytes, Watch, relay_args
 
 from bridge.shardcast import ShardcastClient
 from bridge.shardcast.transfer import close_idle
@@ -40,21 +40,11 @@ def test_parallel_parts_through_a_relay_still_receiving_land_exact_over_kept_ali
     # both start at once (the relay waits for its upstream): a process start is most of this test's time
     origin_port = free_port()
     origin = cluster.start(
-        "origin", "--dir", str(weights), "--port", str(origin_port), "--test-fault", "slow:1500000", name="origin"
-    )  # ~1.5 s for the version, 2 streams
+        "origin", "--dir", str(weights), "--port", str(origin_port), "--test-fault", "slow:1000000", name="origin"
+    )  # ~2 s for the version, 2 streams
     relay_port = free_port()
     relay_proc = cluster.start(
-        "relay",
-        "--upstream",
-        f"http://127.0.0.1:{origin_port}",
-        "--dir",
-        str(tmp_path / "relay"),
-        "--port",
-        str(relay_port),
-        "--shardcast.pin_manifests",
-        "false",
-        *FAST,
-        name="relay",
+        "relay", *relay_args(cluster, f"http://127.0.0.1:{origin_port}", "relay", relay_port), name="relay"
     )
     origin.wait_line("serving")
     relay = relay_proc.wait_line("serving").split()[-1]

@@ -38,6 +38,12 @@ def publish_parts(root: Path, version: int, files: dict[str, bytes], part_size: 
     publish(root, version, files, part_size)
 
 
+def relay_args(cluster: Cluster, upstream: str, name: str, port: int) -> list[str]:
+    """`Cluster.relay`'s arguments, for starting several relays at once."""
+    pinning = ["--shardcast.pin_manifests", "false"]
+    return ["--upstream", upstream, "--dir", str(cluster.tmp / name), "--port", str(port), *pinning, *FAST]
+
+
 def client(servers: str, **kw) -> ShardcastClient:
     return ShardcastClient(
         servers, **{"timeout": 3.0, "patience": 30.0, "fsync": False, "direct_io": False, "parallel": 2, **kw}
@@ -112,8 +118,16 @@ def test_a_client_gets_a_whole_verified_version_through_relays_still_receiving_i
     total = sum(map(len, files.values()))
     publish_parts(weights, VERSION, files)
     origin = cluster.origin(weights, "--test-fault", "slow:1500000")  # ~3 s for the version, 2 streams
-    relay_a, _ = cluster.relay(origin, *FAST, name="relay-a")
-    relay_b, _ = cluster.relay(relay_a, *FAST, name="relay-b")
+    # both relays start at once: relay B must be up while relay A still receives the version, however long a
+    # process start takes on a loaded machine (started one after the other, A could finish before B was up)
+    port_a, port_b = free_port(), free_port()
+    relay_a, relay_b = f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"
+    started = [
+        cluster.start("relay", *relay_args(cluster, origin, "relay-a", port_a), name="relay-a"),
+        cluster.start("relay", *relay_args(cluster, relay_a, "relay-b", port_b), name="relay-b"),
+    ]
+    for proc in started:
+        proc.wait_line("serving")
     watch_a, watch_b = Watch(relay_a), Watch(relay_b)
     try:
         wait_until(lambda: watch_b.partial_at, 30, "relay B to list the version as arriving")
