@@ -27,6 +27,7 @@ BASE = [
     "ml_dtypes>=0.5",
     "zstandard>=0.22",  # SHARDCAST delta files (learner writes them; relays, workers, validators read them)
 ]
+WANDB = ["wandb>=0.19"]  # optional Weights & Biases logging (run.wandb_mode); imported only when enabled
 TRAINER = [
     "jax==0.10.2",
     "flax==0.12.8",
@@ -74,12 +75,13 @@ setup(
     packages=find_packages(include=["jax_trainer*", "gpu_workers*", "bridge*", "orchestrator*", "intellect*"]),
     install_requires=BASE,
     extras_require={
-        "trainer": TRAINER,
+        "trainer": TRAINER + WANDB,
+        "wandb": WANDB,
         "worker": WORKER,
         "orchestrator": ORCHESTRATOR,
         "postgres": POSTGRES,
         "dev": DEV,
-        "all": TRAINER + WORKER + ORCHESTRATOR + DEV,
+        "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV,
     },
     entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
 )

@@ -49,6 +49,12 @@ class RunConfig(Section):
     """`intellect run` scores held-out accuracy every this many learner steps (0: at the start and end only)."""
     restart_failed: bool = False
     """`intellect run` restarts a worker, validator, relay or service that exits, instead of stopping the run."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "disabled"
+    """Weights & Biases logging of metrics.jsonl's records (online without WANDB_API_KEY or a login: offline)."""
+    wandb_project: str = Field("intellect", min_length=1)
+    """W&B project the run's processes log to (one W&B run per role, grouped by run.name)."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) owning the project (None: the account's default)."""
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -114,8 +114,10 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if args.metrics is not None:
-        args.metrics.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.metrics, "a") as f:
-            f.write(json.dumps({"role": "eval", "step": args.step, "time": time.time(), **record}) + "\n")
+        from intellect.metrics import MetricsLog
+
+        metrics = MetricsLog(cfg, "eval", args.metrics)  # and W&B when run.wandb_mode asks
+        metrics.write({"role": "eval", "step": args.step, "time": time.time(), **record})
+        metrics.close()
     print(json.dumps(record), flush=True)
     return 0

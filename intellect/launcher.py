@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from intellect.config import Config
+from intellect.metrics import MetricsLog
 
 PR_SET_PDEATHSIG = 1
 GRACE_S = 20.0
@@ -117,6 +118,7 @@ class Launcher:
         self.evaluating: tuple[Role, int] | None = None
         self.evaluated: set[int] = set()
         self._stopping = False
+        self.metrics_log = MetricsLog(cfg, "launcher")  # metrics.jsonl, and W&B when run.wandb_mode asks
 
     # -- plumbing ----------------------------------------------------------------------------------------
 
@@ -139,8 +141,7 @@ class Launcher:
             raise RoleFailed(f"{name} exited with {code}; the end of {role.log}:\n{role.tail()}")
 
     def metrics(self, record: dict) -> None:
-        with open(self.cfg.run.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.metrics_log.write(record)
 
     # -- phases ------------------------------------------------------------------------------------------
 
@@ -465,6 +466,7 @@ class Launcher:
         finally:
             self.log_pool()
             self.stop_all()
+            self.metrics_log.close()
         rl_seconds = time.monotonic() - rl_start
         final = self.newest_version()
         if final is not None:

@@ -107,12 +107,14 @@ def run(args: argparse.Namespace) -> int:
     from jax_trainer import host
 
     host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
+    import jax
     import numpy as np
     from flax import nnx
     from transformers import AutoTokenizer
 
     from gpu_workers.checks import stop_token_ids
     from intellect.learner_setup import load_base, mesh_from_config
+    from intellect.metrics import wandb_sink
     from jax_trainer.models import export_hf
     from jax_trainer.sft import SFTTrainer, pack_examples, sft_loop
 
@@ -146,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
     metrics_path = cfg.run.metrics_path
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     last: dict = {}
+    sink = wandb_sink(cfg, "sft")
+
+    def on_step(step: int, record: dict) -> None:
+        last.update(record)
+        if sink is not None and jax.process_index() == 0:
+            sink.log(record)
+
     state = sft_loop(
         trainer,
         state,
@@ -153,8 +162,10 @@ def run(args: argparse.Namespace) -> int:
         args.steps,
         metrics_path=metrics_path,
         progress=not args.no_progress and sys.stderr.isatty(),
-        on_step=lambda step, record: last.update(record),
+        on_step=on_step,
     )
+    if sink is not None:
+        sink.close()
     export_hf(trainer.model(state.params), out, version=0, source_dir=base, dtype=_base_dtype(base))
     print(
         json.dumps(

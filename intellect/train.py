@@ -23,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", type=Path, nargs="?", default=None, help="TOML recipe")
 
 
-def build_learner(cfg, release_memory=None):
-    """(learner, initial params or None when resuming) for a resolved config; `release_memory` goes to the
-    `Learner`."""
+def build_learner(cfg, release_memory=None, on_record=None):
+    """(learner, initial params or None when resuming) for a resolved config; `release_memory` and `on_record`
+    (each step's metrics record, for W&B) go to the `Learner`."""
     from flax import nnx
 
     from bridge.rollouts import RolloutStore
@@ -87,7 +87,17 @@ def build_learner(cfg, release_memory=None):
         async_level=t.async_level,
         keep_versions=t.rollout_keep_versions,
     )
-    learner = Learner(trainer, source, run_dir, base_dir, t, ckpt, announce=announce, release_memory=release_memory)
+    learner = Learner(
+        trainer,
+        source,
+        run_dir,
+        base_dir,
+        t,
+        ckpt,
+        announce=announce,
+        release_memory=release_memory,
+        on_record=on_record,
+    )
     return learner, params
 
 
@@ -101,10 +111,19 @@ def run(args: argparse.Namespace) -> int:
 
     done = host.prepare(cfg.trainer.retain_host_memory, cfg.model.path)  # before jax starts a backend
     # retained memory is meant to be kept; otherwise what each step frees goes back to the system at once
-    learner, params = build_learner(cfg, None if done["retain_freed_memory"] else host.release_freed_memory)
+    from intellect.metrics import wandb_sink
+
+    sink = wandb_sink(cfg, "learner")
+    learner, params = build_learner(
+        cfg,
+        None if done["retain_freed_memory"] else host.release_freed_memory,
+        on_record=None if sink is None else sink.log,
+    )
     try:
         state = learner.run(params)
     finally:
         learner.close()
+        if sink is not None:
+            sink.close()
     print(f"intellect train: finished at version {int(state.step)}; weights in {learner.weights_dir}")
     return 0

@@ -44,11 +44,13 @@ class Learner:
         announce: Callable[[int, Path], None] | None = None,
         progress: bool = True,
         release_memory: Callable[[], int] | None = None,
+        on_record: Callable[[dict], None] | None = None,
     ):
         """Of `config` the loop reads `steps`, `export_interval`, `checkpoint_interval`, `export_dtype` and
         `batch_timeout_s`; `trainer` and `source` were built from the rest of it. `release_memory` (e.g.
         `jax_trainer.host.release_freed_memory` when freed memory is not retained) runs after every step and
-        export, so that what those freed is not held until the next step."""
+        export, so that what those freed is not held until the next step. `on_record` gets each step's
+        metrics.jsonl record after it is written (`intellect.metrics.WandbSink.log` with W&B enabled)."""
         self.trainer = trainer
         self.source = source
         self.run_dir = Path(run_dir)
@@ -58,6 +60,7 @@ class Learner:
         self.announce = announce
         self.progress = progress
         self.release_memory = release_memory
+        self.on_record = on_record
         self.weights_dir = self.run_dir / "weights"
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.is_writer = jax.process_index() == 0
@@ -153,6 +156,8 @@ class Learner:
         if self.is_writer:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.on_record is not None:
+                self.on_record(record)
         bar.update(version, record)
         return state
 

@@ -238,7 +238,7 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
     base = tiny_model(family="qwen2")
     mesh = make_mesh(fsdp=-1)
     settings = TrainerConfig(steps=3, export_interval=1, checkpoint_interval=2, export_dtype="float32")
-    announced, released = [], []
+    announced, released, handed = [], [], []
 
     def learner():
         model = load_hf(base, mesh=mesh)
@@ -255,6 +255,7 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
             announce=lambda v, d: announced.append(v),
             progress=False,
             release_memory=lambda: released.append(len(announced)) or 0,
+            on_record=handed.append,  # the W&B sink's hook: each record as written
         ), nnx.split(model)[1]
 
     first, params = learner()
@@ -266,7 +267,7 @@ def test_learner_loop_exports_checkpoints_logs_and_resumes(tiny_model, tmp_path)
     assert versions == ["v000000", "v000001", "v000002", "v000003"]
     assert all((tmp_path / "weights" / v / "STABLE").exists() for v in versions)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert [r["step"] for r in lines] == [1, 2, 3] and handed == lines
     for key in (
         "loss",
         "grad_norm",
