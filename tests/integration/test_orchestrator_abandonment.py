@@ -13,6 +13,7 @@ An honest worker that announces before its deadline is accepted, even after the 
 import csv
 import io
 import sqlite3
+from types import SimpleNamespace
 
 import pytest
 from test_orchestrator_state import START, Pool
@@ -162,6 +163,52 @@ def test_a_schema_5_database_gains_abandoned_at_and_its_lost_work_is_no_strike(t
     assert (entry.lost_assignments, entry.banned) == (1, False)  # one strike of two
     with sqlite3.connect(tmp_path / "orchestrator.db") as conn:
         assert conn.execute("SELECT version FROM schema_info").fetchone() == (6,)
+
+
+class _CommittedStore:
+    """A rollout store that holds every batch committed already (the worker then announces without generating)."""
+
+    def commit(self, version, batch_id):
+        return "ab" * 32
+
+    def read(self, version, batch_id, expect_sha256):
+        return SimpleNamespace(num_samples=4, tokens=[0] * 40)
+
+    def batch_url(self, version, batch_id):
+        return f"file:///store/v{version:06d}/{batch_id}"
+
+
+def test_the_worker_takes_a_refused_announcement_as_done_and_goes_on(tmp_path):
+    from bridge.protocol import HardwareReport, load_or_create_key
+    from bridge.shardcast.config import ShardcastConfig
+    from gpu_workers.config import DataConfig, WorkerConfig
+    from gpu_workers.tasks.dataset import Task, TaskDataset
+    from gpu_workers.worker import Worker
+
+    pool = Pool(tmp_path / "pool", **STRIKES)
+    tasks = TaskDataset([Task(prompt="1 2", reward="sort")])
+    worker = Worker(
+        WorkerConfig(),
+        DataConfig(),
+        ShardcastConfig(),
+        tasks,
+        key_path=tmp_path / "worker.key",
+        weights_dir=tmp_path / "weights",
+        store=str(tmp_path / "store"),
+    )
+    worker.client, worker.store = pool.client(load_or_create_key(tmp_path / "worker.key")), _CommittedStore()
+    assert worker.client.register("worker", HardwareReport(cpu_count=2, memory_gib=4)).status == "admitted"
+    [late] = worker.client.heartbeat().assignments
+    pool.clock.advance(100)
+    pool.svc.sweep()
+    assert worker.submit(late) is True  # refused (410): done with it, not a crash
+    [fresh] = worker.client.heartbeat().assignments
+    assert worker.submit(fresh) is True
+    submitted = [b.batch_id for b in pool.admin.batches("submitted").batches]
+    assert submitted == [worker.batch_id(fresh)]
+    with pytest.raises(OrchestratorError) as err:  # any other refusal still ends the worker
+        worker.submit(fresh.model_copy(update={"id": 10**6}))
+    assert err.value.status == 404
 
 
 def _accept():
