@@ -131,6 +131,21 @@ def test_humaneval_tasks_score_in_the_code_sandbox(code_runs):
     assert slow.value == 0.0 and ("wall-clock" in slow.reason or "exit" in slow.reason)
 
 
+def test_humaneval_programs_run_inside_bubblewrap():
+    """Where the sandbox can be made, a HumanEval program runs in it like stdin/stdout programs: the canonical
+    solution passes, and a completion that forks (refused by the seccomp filter) fails its check."""
+    from gpu_workers.rewards import code
+
+    why = code.sandbox_status()
+    if why is not None:
+        pytest.skip(f"no sandbox on this machine: {why} (.ci/run installs bubblewrap)")
+    task = load_tasks(DATA / "humaneval_example.jsonl", format="humaneval")[0]
+    assert score(task, task.meta["canonical_solution"]).value == 1.0
+    forks = "    import os\n    os.fork()\n" + task.meta["canonical_solution"]
+    result = score(task, forks)
+    assert result.value == 0.0 and "check failed" in result.reason
+
+
 def test_stdin_stdout_code_tasks_are_kept(code_runs):
     tasks = load_tasks(DATA / "code_stdio_example.jsonl")
     assert [t.reward for t in tasks] == ["code", "code"] and tasks[0].check is None
