@@ -10,13 +10,18 @@ reading a config stays cheap.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from bridge.config import Dtype, Section, require
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant"]
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "constant", "seq_mean_token_sum_norm"]
+PolicyLoss = Literal["grpo", "dr_grpo", "gspo", "cispo"]
+Mismatch = Literal["none", "token_mask", "seq_mask", "geo_mask"]
+MISMATCH_BOUNDS = {"token_mask": (0.5, 2.0), "seq_mask": (0.5, 2.0), "geo_mask": (0.99, 1.01)}
+"""Default [mismatch_low, mismatch_high] of each `loss.mismatch` mode."""
 
 
 class LearnerModelConfig(Section):
@@ -104,18 +109,26 @@ class TrainerConfig(Section):
 
 
 class LossConfig(Section):
-    """[loss]: the GRPO objective; `jax_trainer.loss` states the formulas."""
+    """[loss]: the policy objective; `jax_trainer.loss` states the formulas."""
 
+    policy_loss: PolicyLoss = "grpo"
+    """Token objective: grpo (PPO clip + delta), dr_grpo (grpo with Dr. GRPO's aggregation, no std), gspo, cispo."""
     eps_low: float = Field(0.2, gt=0, lt=1)
     """Lower PPO clip: the ratio is clipped below at 1 - eps_low."""
     eps_high: float = Field(0.2, gt=0)
     """Upper PPO clip: the ratio is clipped above at 1 + eps_high."""
     delta: float = 4.0
     """Two-sided clip: for negative advantages the ratio is also capped at delta (> 1 + eps_high)."""
+    gspo_eps_low: float = Field(3e-4, gt=0, lt=1)
+    """GSPO's lower clip of the sequence-level ratio (1 - gspo_eps_low; the GSPO paper's 3e-4)."""
+    gspo_eps_high: float = Field(4e-4, gt=0)
+    """GSPO's upper clip of the sequence-level ratio (1 + gspo_eps_high; the GSPO paper's 4e-4)."""
+    cispo_eps_high: float = Field(0.28, gt=0)
+    """CISPO's cap on the stop-gradient importance weight: min(ratio, 1 + cispo_eps_high) (no lower bound)."""
     aggregation: Aggregation = "token_mean"
-    """How token losses become one number: mean over all tokens, mean of per-sample means, or sum / constant."""
+    """Token losses -> one number: token mean, mean of sample means, sum / constant, or Dr. GRPO's sample sums."""
     constant_normalizer: int = Field(32768, gt=0)
-    """Token count the summed loss is divided by when aggregation = "constant"."""
+    """C: the token budget of aggregation "constant"; the max completion length of "seq_mean_token_sum_norm"."""
     std_normalize: bool = True
     """Divide group advantages by the group's reward std (False: mean-centring only, as in Dr. GRPO)."""
     kl_coef: float = Field(0.0, ge=0)
@@ -124,6 +137,12 @@ class LossConfig(Section):
     """Weight of the entropy bonus."""
     tis_cap: float | None = Field(None, gt=0)
     """Truncated importance sampling: cap on pi_learner / pi_inference per token (None: off)."""
+    mismatch: Mismatch = "none"
+    """Drop tokens (token_mask) or whole samples (seq_mask, geo_mask) whose learner/engine ratio leaves the bounds."""
+    mismatch_low: float | None = Field(None, gt=0)
+    """Lower bound of the mismatch ratio (None: 0.5 for token_mask and seq_mask, 0.99 for geo_mask)."""
+    mismatch_high: float | None = Field(None, gt=0)
+    """Upper bound of the mismatch ratio (None: 2.0 for token_mask and seq_mask, 1.01 for geo_mask)."""
     temperature: float = Field(0.6, gt=0)
     """Temperature the learner divides logits by; must equal worker.temperature."""
     logprob_source: Literal["recompute", "inference"] = "recompute"
@@ -136,7 +155,31 @@ class LossConfig(Section):
             ("loss.delta", "loss.eps_high"),
             f"loss.delta ({self.delta}) must exceed 1 + loss.eps_high ({1 + self.eps_high})",
         )
+        if self.policy_loss == "dr_grpo":
+            # the Dr. GRPO preset: fill in its aggregation and advantages, refuse values that contradict them
+            for key, value in (("aggregation", "seq_mean_token_sum_norm"), ("std_normalize", False)):
+                require(
+                    key not in self.model_fields_set or getattr(self, key) == value,
+                    ("loss.policy_loss", f"loss.{key}"),
+                    f'loss.policy_loss = "dr_grpo" means loss.{key} = {value!r}, not {getattr(self, key)!r}',
+                )
+                object.__setattr__(self, key, value)
+        if self.mismatch != "none":
+            low, high = self.mismatch_bounds()
+            require(
+                low < 1.0 < high,
+                ("loss.mismatch_low", "loss.mismatch_high"),
+                f"loss.mismatch_low ({low}) must be below 1 and loss.mismatch_high ({high}) above it",
+            )
         return self
+
+    def mismatch_bounds(self) -> tuple[float, float]:
+        """[low, high] of `mismatch`: the configured bounds, or the mode's defaults (`MISMATCH_BOUNDS`)."""
+        low, high = MISMATCH_BOUNDS.get(self.mismatch, (0.0, math.inf))
+        return (
+            low if self.mismatch_low is None else self.mismatch_low,
+            high if self.mismatch_high is None else self.mismatch_high,
+        )
 
 
 class OptimConfig(Section):

@@ -28,7 +28,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
-from jax_trainer.loss import policy_loss, token_logprobs, token_weights
+from jax_trainer.loss import loss_denominator, policy_loss, token_logprobs
 from jax_trainer.optim import make_optimizer
 from jax_trainer.packing import PackedBatch
 from jax_trainer.sharding import logical_to_spec, param_shardings
@@ -52,7 +52,7 @@ def _shift(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         "mask": batch["loss_mask"][..., 1:],
         "advantages": batch["advantages"][..., 1:],
         "inference_logprobs": batch["inference_logprobs"][..., 1:],
-        "completion_lens": batch["completion_lens"][..., 1:],
+        "segment_ids": batch["segment_ids"][..., 1:],
     }
 
 
@@ -163,17 +163,18 @@ class GRPOTrainer:
 
         groups = jax.tree.map(group, {"batch": batch, "shifted": shifted, "old": old, "ref": ref})
 
-        def micro_loss(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples):
+        def micro_loss(params, mb, sh, old_lp, ref_lp):
+            # the numerator of the step's loss; the denominator needs every micro-batch's (mismatch) masks,
+            # so the accumulated loss and gradients are divided by it after the scan (`jax_trainer.loss`)
             lp, ent = self._logprobs(params, mb)
             if old_lp is None:
                 old_lp = jax.lax.stop_gradient(lp)
-            w = token_weights(sh["mask"], sh["completion_lens"], loss_cfg, total_tokens, total_samples)
             return policy_loss(
                 lp,
                 old_lp,
                 sh["advantages"],
-                w,
                 sh["mask"],
+                sh["segment_ids"],
                 loss_cfg,
                 inference_logprobs=sh["inference_logprobs"],
                 ref_logprobs=ref_lp,
@@ -184,32 +185,28 @@ class GRPOTrainer:
 
         def optimizer_step(carry, g):
             params, opt_state, skipped = carry
-            total_tokens = jnp.sum(g["shifted"]["mask"])
-            total_samples = jnp.sum(g["shifted"]["mask"] / jnp.maximum(g["shifted"]["completion_lens"], 1.0))
 
             def accumulate(acc, xs):
                 mb, sh, old_lp, ref_lp = xs
-                (loss, sums), grads = grad_fn(params, mb, sh, old_lp, ref_lp, total_tokens, total_samples)
+                (loss, sums), grads = grad_fn(params, mb, sh, old_lp, ref_lp)
                 acc_loss, acc_sums, acc_grads = acc
                 merged = {
                     key: (jnp.maximum if key == "ratio_max" else jnp.add)(acc_sums[key], v) for key, v in sums.items()
                 }
                 return (acc_loss + loss, merged, jax.tree.map(jnp.add, acc_grads, grads)), None
 
-            zero_sums = jax.eval_shape(
-                lambda: grad_fn(
-                    params,
-                    *jax.tree.map(lambda x: x[0], (g["batch"], g["shifted"], g["old"], g["ref"])),
-                    total_tokens,
-                    total_samples,
-                )[0][1]
-            )
+            first = jax.tree.map(lambda x: x[0], (g["batch"], g["shifted"], g["old"], g["ref"]))
+            zero_sums = jax.eval_shape(lambda: grad_fn(params, *first)[0][1])
             init = (
                 jnp.zeros((), jnp.float32),
                 jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_sums),
                 jax.tree.map(jnp.zeros_like, params),
             )
             (loss, sums, grads), _ = jax.lax.scan(accumulate, init, (g["batch"], g["shifted"], g["old"], g["ref"]))
+            denominator = loss_denominator(loss_cfg, sums)
+            loss = loss / denominator
+            sums = {**sums, "pg_loss": sums["pg_loss"] / denominator}
+            grads = jax.tree.map(lambda x: x / denominator.astype(x.dtype), grads)
 
             grad_norm = optax.global_norm(grads)
             scale = jnp.minimum(1.0, self.optim.grad_clip / (grad_norm + 1e-6))
@@ -300,4 +297,8 @@ def _summarise(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:
     }
     if "mismatch_kl_sum" in per_step:
         out["mismatch_kl"] = jnp.sum(per_step["mismatch_kl_sum"]) / tokens
+    if "mismatch_masked_tokens" in per_step:  # loss.mismatch: the share of tokens and samples it dropped
+        out["mismatch_masked_frac"] = jnp.sum(per_step["mismatch_masked_tokens"]) / tokens
+        samples = jnp.maximum(jnp.sum(per_step["samples"]), 1.0)
+        out["mismatch_masked_sample_frac"] = jnp.sum(per_step["mismatch_masked_samples"]) / samples
     return out

@@ -9,7 +9,7 @@ import pytest
 
 from jax_trainer.advantages import group_advantages
 from jax_trainer.config import LossConfig
-from jax_trainer.loss import policy_loss, token_logprobs, token_weights
+from jax_trainer.loss import batch_loss, policy_loss, sample_sums, token_logprobs
 
 jax.config.update("jax_enable_x64", False)
 
@@ -83,24 +83,57 @@ def test_chunked_logprob_gradient_matches_unchunked():
 
 
 # ---- the policy loss -------------------------------------------------------------------------------------
-def numpy_policy_loss(lp, old, adv, mask, clens, s: LossConfig, inf=None, ref=None, ent=None):
-    """The loss of the module docstring, term by term, in float64."""
+def _samples(mask, seg):
+    """(row, boolean index) of every sample with completion tokens: a sample is a (row, segment id) pair."""
+    return [(r, (seg[r] == k) & (mask[r] > 0)) for r in range(len(mask)) for k in np.unique(seg[r][mask[r] > 0])]
+
+
+def numpy_policy_loss(lp, old, adv, mask, seg, s: LossConfig, inf=None, ref=None, ent=None):
+    """The loss of `jax_trainer.loss`'s docstring, sample by sample, in float64; also the kept-token mask."""
+    lp, old = lp.astype(np.float64), old.astype(np.float64)
+    keep = mask.astype(np.float64).copy()
+    samples = _samples(mask, seg)
+    if s.mismatch != "none":
+        low, high = s.mismatch_bounds()
+        m = old - inf
+        for r, idx in samples:
+            if s.mismatch == "token_mask":
+                keep[r, idx] = (np.exp(m[r, idx]) >= low) & (np.exp(m[r, idx]) <= high)
+            else:
+                stat = m[r, idx].sum() if s.mismatch == "seq_mask" else m[r, idx].mean()
+                keep[r, idx] = low <= np.exp(stat) <= high
     ratio = np.exp(lp - old)
-    capped = np.where(adv < 0, np.minimum(ratio, s.delta), ratio)
-    per = -np.minimum(adv * capped, adv * np.clip(ratio, 1 - s.eps_low, 1 + s.eps_high))
+    per = np.zeros_like(lp)
+    for r, idx in samples:
+        a = adv[r, idx][0]
+        kept = idx & (keep[r] > 0)
+        if s.policy_loss in ("grpo", "dr_grpo"):
+            x = ratio[r, idx]
+            capped = np.minimum(x, s.delta) if a < 0 else x
+            per[r, idx] = -np.minimum(a * capped, a * np.clip(x, 1 - s.eps_low, 1 + s.eps_high))
+        elif s.policy_loss == "gspo":
+            sr = np.exp((lp[r, kept] - old[r, kept]).mean()) if kept.any() else 1.0
+            per[r, idx] = -min(a * sr, a * np.clip(sr, 1 - s.gspo_eps_low, 1 + s.gspo_eps_high))
+        else:  # cispo
+            per[r, idx] = -np.minimum(ratio[r, idx], 1 + s.cispo_eps_high) * a * lp[r, idx]
     if s.tis_cap is not None:
         per = per * np.minimum(np.exp(old - inf), s.tis_cap)
     if s.kl_coef:
         per = per + s.kl_coef * (np.exp(ref - lp) - (ref - lp) - 1)
     if s.entropy_coef:
         per = per - s.entropy_coef * ent
+    sample_sums = [(per[r] * keep[r] * idx).sum() for r, idx in samples]
+    sample_lens = [(keep[r] * idx).sum() for r, idx in samples]
+    kept_samples = [(t, n) for t, n in zip(sample_sums, sample_lens) if n > 0]
     if s.aggregation == "token_mean":
-        return (per * mask).sum() / mask.sum()
-    if s.aggregation == "seq_mean_token_mean":
-        # mean over each sample's own tokens, then over samples; here each row is one sample
-        per_sample = (per * mask).sum(1) / mask.sum(1)
-        return per_sample.mean()
-    return (per * mask).sum() / s.constant_normalizer
+        loss = (per * keep).sum() / keep.sum()
+    elif s.aggregation == "seq_mean_token_mean":
+        loss = np.mean([t / n for t, n in kept_samples])
+    elif s.aggregation == "constant":
+        loss = (per * keep).sum() / s.constant_normalizer
+    else:  # seq_mean_token_sum_norm
+        loss = np.mean([t / s.constant_normalizer for t, _ in kept_samples])
+    return loss, keep
 
 
 CASES = {
@@ -111,66 +144,140 @@ CASES = {
     "tis": LossConfig(tis_cap=1.5),
     "kl": LossConfig(kl_coef=0.05),
     "entropy": LossConfig(entropy_coef=0.01, aggregation="seq_mean_token_mean"),
+    "gspo": LossConfig(policy_loss="gspo", aggregation="seq_mean_token_mean", gspo_eps_low=0.05, gspo_eps_high=0.08),
+    "gspo_token_mean": LossConfig(policy_loss="gspo", gspo_eps_low=0.05, gspo_eps_high=0.08),
+    "cispo": LossConfig(policy_loss="cispo", cispo_eps_high=0.3),
+    "dr_grpo": LossConfig(policy_loss="dr_grpo", constant_normalizer=12),
+    "token_mask": LossConfig(mismatch="token_mask", mismatch_low=0.7, mismatch_high=1.3),
+    "seq_mask": LossConfig(mismatch="seq_mask", mismatch_low=0.5, mismatch_high=2.0, aggregation="seq_mean_token_mean"),
+    "geo_mask+tis": LossConfig(mismatch="geo_mask", mismatch_low=0.9, mismatch_high=1.1, tis_cap=1.2),
+    "seq_mask+gspo+kl": LossConfig(policy_loss="gspo", mismatch="seq_mask", kl_coef=0.1, gspo_eps_high=0.1),
 }
+
+
+def _packed(rng, rows=4, seq=12):
+    """Rows of two or three packed samples each: a prompt (no loss) then a completion; padding at the end."""
+    mask = np.zeros((rows, seq), np.float32)
+    seg = np.zeros((rows, seq), np.int32)
+    adv = np.zeros((rows, seq), np.float32)
+    for r in range(rows):
+        pos, k = 0, 1
+        while pos < seq - 3:
+            n = int(rng.integers(3, 7))
+            n = min(n, seq - pos)
+            p = int(rng.integers(1, n - 1))
+            seg[r, pos : pos + n] = k
+            mask[r, pos + p : pos + n] = 1.0
+            adv[r, pos : pos + n] = rng.normal(0, 1)
+            pos, k = pos + n, k + 1
+    return mask, seg, adv
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_policy_loss_matches_numpy(name):
     s = CASES[name]
     rng = np.random.default_rng(3)
-    rows, seq = 4, 10
-    mask = (rng.random((rows, seq)) < 0.7).astype(np.float32)
-    mask[:, 0] = 1.0
-    lens = mask.sum(1, keepdims=True) * np.ones((1, seq), np.float32)
+    rows, seq = 4, 12
+    mask, seg, adv = _packed(rng, rows, seq)
     lp = (-rng.random((rows, seq)) * 3).astype(np.float32)
     old = (lp + rng.normal(0, 0.6, lp.shape)).astype(np.float32)  # ratios well outside [0.8, 1.2] and > delta
     inf = (old + rng.normal(0, 0.3, lp.shape)).astype(np.float32)
     ref = (lp + rng.normal(0, 0.2, lp.shape)).astype(np.float32)
     ent = rng.random((rows, seq)).astype(np.float32)
-    adv = np.repeat(rng.normal(0, 1, (rows, 1)), seq, 1).astype(np.float32)
-    weights = token_weights(jnp.asarray(mask), jnp.asarray(lens), s, jnp.sum(mask), jnp.asarray(float(rows)))
-    loss, sums = policy_loss(
-        jnp.asarray(lp),
-        jnp.asarray(old),
-        jnp.asarray(adv),
-        weights,
-        jnp.asarray(mask),
+    loss, sums = batch_loss(
+        *map(jnp.asarray, (lp, old, adv, mask, seg)),
         s,
         inference_logprobs=jnp.asarray(inf),
         ref_logprobs=jnp.asarray(ref),
         entropy=jnp.asarray(ent),
     )
-    expected = numpy_policy_loss(lp.astype(np.float64), old, adv, mask, lens, s, inf, ref, ent)
+    expected, keep = numpy_policy_loss(lp, old, adv, mask, seg, s, inf, ref, ent)
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
-    ratio = np.exp(lp.astype(np.float64) - old)
-    assert int(sums["tokens"]) == int(mask.sum())
-    assert int(sums["clip_high_sum"]) == int(((adv > 0) & (ratio > 1 + s.eps_high) & (mask > 0)).sum())
-    assert int(sums["clip_low_sum"]) == int(((adv < 0) & (ratio < 1 - s.eps_low) & (mask > 0)).sum())
-    assert int(sums["clip_delta_sum"]) == int(((adv < 0) & (ratio > s.delta) & (mask > 0)).sum())
+    assert int(sums["tokens"]) == int(mask.sum()) and int(sums["norm_tokens"]) == int(keep.sum())
+    if s.policy_loss == "grpo":
+        ratio = np.exp(lp.astype(np.float64) - old)
+        assert int(sums["clip_high_sum"]) == int(((adv > 0) & (ratio > 1 + s.eps_high) & (mask > 0)).sum())
+        assert int(sums["clip_low_sum"]) == int(((adv < 0) & (ratio < 1 - s.eps_low) & (mask > 0)).sum())
+        assert int(sums["clip_delta_sum"]) == int(((adv < 0) & (ratio > s.delta) & (mask > 0)).sum())
     d = old.astype(np.float64) - inf
     np.testing.assert_allclose(float(sums["mismatch_kl_sum"]), ((np.exp(d) - d - 1) * mask).sum(), rtol=1e-4)
+    if s.mismatch != "none":
+        dropped = [(r, idx) for r, idx in _samples(mask, seg) if not keep[r, idx].all()]
+        assert 0 < int(sums["mismatch_masked_tokens"]) == int(mask.sum() - keep.sum()) < int(mask.sum())
+        if s.mismatch != "token_mask":  # whole samples go
+            assert round(float(sums["mismatch_masked_samples"]), 4) == len(dropped)
+
+
+def test_sample_sums_add_up_each_packed_sample():
+    rng = np.random.default_rng(4)
+    mask, seg, _ = _packed(rng)
+    x = rng.random(mask.shape).astype(np.float32)
+    out = np.asarray(sample_sums(jnp.asarray(x), jnp.asarray(seg)))
+    for r in range(len(x)):
+        for k in np.unique(seg[r]):
+            np.testing.assert_allclose(out[r, seg[r] == k], x[r, seg[r] == k].sum(), rtol=1e-6)
+
+
+def test_a_masked_sample_leaves_the_denominator():
+    """seq_mask drops a sample as if it had never been sampled: same loss as the batch without it."""
+    s = LossConfig(mismatch="seq_mask", mismatch_low=0.5, mismatch_high=2.0)
+    mask = jnp.array([[0, 1, 1, 1, 0, 1, 1]], jnp.float32)
+    seg = jnp.array([[1, 1, 1, 1, 2, 2, 2]])
+    adv = jnp.array([[1, 1, 1, 1, -1, -1, -1]], jnp.float32)
+    lp = jnp.log(jnp.array([[0.5, 0.3, 0.2, 0.4, 0.5, 0.6, 0.7]]))
+    old = lp - 0.1
+    inf = old.at[0, 5:].add(-1.0)  # sample 2: sequence ratio exp(2) > 2
+    loss, sums = batch_loss(lp, old, adv, mask, seg, s, inference_logprobs=inf)
+    alone, _ = batch_loss(lp[:, :4], old[:, :4], adv[:, :4], mask[:, :4], seg[:, :4], LossConfig())
+    np.testing.assert_allclose(float(loss), float(alone), rtol=1e-6)
+    np.testing.assert_allclose(float(loss), -np.exp(0.1) * 1.0, rtol=1e-6)  # ratio e^0.1 inside [0.8, 1.2]
+    assert float(sums["mismatch_masked_samples"]) == 1.0 and float(sums["mismatch_masked_tokens"]) == 2.0
+    grads = jax.grad(lambda x: batch_loss(x, old, adv, mask, seg, s, inference_logprobs=inf)[0])(lp)
+    assert np.all(np.asarray(grads)[0, 4:] == 0) and np.all(np.asarray(grads)[0, 1:4] != 0)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens():
+    """Where PPO's clip zeroes a token's gradient (A > 0, ratio > 1 + eps), CISPO's is -A * min(r, cap)."""
+    mask, seg = jnp.ones((1, 3)), jnp.ones((1, 3), jnp.int32)
+    adv = jnp.ones((1, 3))
+    lp = jnp.log(jnp.array([[0.3, 0.6, 0.9]]))
+    old = jnp.log(jnp.array([[0.2, 0.2, 0.6]]))  # ratios 1.5, 3, 1.5
+    cispo = LossConfig(policy_loss="cispo", cispo_eps_high=1.0)
+    g = jax.grad(lambda x: batch_loss(x, old, adv, mask, seg, cispo)[0])(lp)
+    np.testing.assert_allclose(np.asarray(g), -np.array([[1.5, 2.0, 1.5]]) / 3, rtol=1e-5)
+    g_ppo = jax.grad(lambda x: batch_loss(x, old, adv, mask, seg, LossConfig())[0])(lp)
+    assert np.all(np.asarray(g_ppo) == 0)
+
+
+def test_dr_grpo_is_a_preset_that_refuses_contradictions():
+    s = LossConfig(policy_loss="dr_grpo")
+    assert s.aggregation == "seq_mean_token_sum_norm" and s.std_normalize is False
+    with pytest.raises(ValueError, match="dr_grpo.*aggregation"):
+        LossConfig(policy_loss="dr_grpo", aggregation="token_mean")
+    with pytest.raises(ValueError, match="mismatch_low"):
+        LossConfig(mismatch="geo_mask", mismatch_low=1.5)
+    assert LossConfig(mismatch="geo_mask").mismatch_bounds() == (0.99, 1.01)
 
 
 def test_two_sided_clip_bounds_the_negative_advantage_loss():
     """INTELLECT-2's delta: with A < 0 the per-token loss stops growing once the ratio passes delta."""
     s = LossConfig(delta=4.0)
-    mask = jnp.ones((1, 3))
+    mask, seg = jnp.ones((1, 3)), jnp.ones((1, 3), jnp.int32)
     adv = -jnp.ones((1, 3))
-    w = token_weights(mask, mask * 3, s, jnp.sum(mask), jnp.asarray(1.0))
     lp = jnp.log(jnp.array([[3.0, 10.0, 100.0]]))
-    loss, _ = policy_loss(lp, jnp.zeros((1, 3)), adv, w, mask, s)
+    loss, _ = batch_loss(lp, jnp.zeros((1, 3)), adv, mask, seg, s)
     np.testing.assert_allclose(float(loss), (3.0 + 4.0 + 4.0) / 3, rtol=1e-6)
-    grads = jax.grad(lambda x: policy_loss(x, jnp.zeros((1, 3)), adv, w, mask, s)[0])(lp)
+    grads = jax.grad(lambda x: batch_loss(x, jnp.zeros((1, 3)), adv, mask, seg, s)[0])(lp)
     assert float(grads[0, 0]) != 0 and float(grads[0, 1]) == 0 and float(grads[0, 2]) == 0
 
 
-def test_kl_gradient_flows_and_tis_needs_inference_logprobs():
+def test_kl_gradient_flows_and_corrections_need_inference_logprobs():
     s = LossConfig(kl_coef=1.0)
-    mask = jnp.ones((1, 2))
-    w = token_weights(mask, mask * 2, s, jnp.sum(mask), jnp.asarray(1.0))
+    mask, seg = jnp.ones((1, 2)), jnp.ones((1, 2), jnp.int32)
     lp = jnp.array([[-1.0, -2.0]])
-    g = jax.grad(lambda x: policy_loss(x, x, jnp.zeros((1, 2)), w, mask, s, ref_logprobs=x - 0.5)[0])(lp)
+    g = jax.grad(lambda x: batch_loss(x, x, jnp.zeros((1, 2)), mask, seg, s, ref_logprobs=x - 0.5)[0])(lp)
     # d/dlp of k3 with ref fixed: -exp(ref - lp) + 1, averaged over 2 tokens
     np.testing.assert_allclose(np.asarray(g), (1 - np.exp(-0.5)) / 2 * np.ones((1, 2)), rtol=1e-5)
-    with pytest.raises(ValueError, match="tis_cap"):
-        policy_loss(lp, lp, jnp.zeros((1, 2)), w, mask, LossConfig(tis_cap=2.0))
+    for config in (LossConfig(tis_cap=2.0), LossConfig(mismatch="seq_mask")):
+        with pytest.raises(ValueError, match="no inference logprobs"):
+            policy_loss(lp, lp, jnp.zeros((1, 2)), mask, seg, config)
