@@ -49,13 +49,18 @@ class WeightsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One parameter: JAX array = HF tensor reshaped to `split_shape`, then transposed by `perm`."""
+    """One parameter: JAX array = HF tensor reshaped to `split_shape`, then transposed by `perm`.
+
+    With `layer` set, the HF tensor is one slice of a stacked array: the model's array at `path` has a leading
+    layer axis and this tensor is its index `layer` (the decoder's scanned layers).
+    """
 
     path: Path_
     hf_name: str
     hf_shape: tuple[int, ...]
     split_shape: tuple[int, ...]
     perm: tuple[int, ...]
+    layer: int | None = None
 
     @property
     def jax_shape(self) -> tuple[int, ...]:
@@ -68,13 +73,17 @@ class TensorSpec:
     def to_hf(self, x: np.ndarray) -> np.ndarray:
         return x.transpose(np.argsort(self.perm)).reshape(self.hf_shape)
 
-    @classmethod
-    def linear(cls, path: Path_, hf_name: str, hf_shape: Sequence[int], split_shape: Sequence[int], perm):
-        return cls(tuple(path), hf_name, tuple(hf_shape), tuple(split_shape), tuple(perm))
+    def of(self, array):
+        """This tensor's part of the model's array at `path`: the array itself, or its layer of a stacked one."""
+        return array if self.layer is None else array[self.layer]
 
     @classmethod
-    def same(cls, path: Path_, hf_name: str, shape: Sequence[int]):
-        return cls(tuple(path), hf_name, tuple(shape), tuple(shape), tuple(range(len(shape))))
+    def linear(cls, path: Path_, hf_name: str, hf_shape: Sequence[int], split_shape: Sequence[int], perm, layer=None):
+        return cls(tuple(path), hf_name, tuple(hf_shape), tuple(split_shape), tuple(perm), layer)
+
+    @classmethod
+    def same(cls, path: Path_, hf_name: str, shape: Sequence[int], layer: int | None = None):
+        return cls(tuple(path), hf_name, tuple(shape), tuple(shape), tuple(range(len(shape))), layer)
 
 
 def resolve_dtype(dtype) -> np.dtype:

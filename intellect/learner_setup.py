@@ -42,11 +42,20 @@ def load_base(cfg: Config, path: str | Path, mesh):
     from jax_trainer.models import load_hf
 
     m = cfg.model
-    return load_hf(path, mesh=mesh, param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+    return load_hf(
+        path,
+        mesh=mesh,
+        param_dtype=m.param_dtype,
+        compute_dtype=m.compute_dtype,
+        remat=m.remat,
+        scan_layers=m.scan_layers,
+        scan_unroll=m.scan_unroll,
+    )
 
 
 def abstract_from_hf_config(cfg: Config, hf_config: dict):
     from jax_trainer.models import ModelConfig, abstract_model
 
     m = cfg.model
-    return abstract_model(ModelConfig.from_hf(hf_config), m.param_dtype, m.compute_dtype, m.remat)
+    model_cfg = ModelConfig.from_hf(hf_config)
+    return abstract_model(model_cfg, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll)

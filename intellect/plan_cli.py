@@ -7,8 +7,9 @@ nothing is allocated, so a 32B model's plan runs on a laptop), and whether the p
 given. The model's shape comes from `model.path`'s config.json (only that file is read). With no accelerator
 here, `--devices N` compiles for N fake CPU devices: XLA:CPU's memory analysis then stands in for the TPU's or
 GPU's, a close estimate of the same program's buffers (fusion and layout choices differ per backend). Models
-deeper than `--depth-from` layers (default 8) are compiled at that depth and at twice it, and extrapolated
-linearly in depth (their compile would otherwise take long on one host); the plan says when it did.
+with `model.scan_layers` (the default) compile at their full depth (the scanned program holds one layer);
+unrolled models deeper than `--depth-from` layers (default 8) are compiled at that depth and at twice it, and
+extrapolated linearly in depth (their compile would otherwise take long on one host); the plan says when it did.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--depth-from",
         type=int,
         default=8,
-        help="models deeper than this are compiled at this depth and twice it, then extrapolated",
+        help="unrolled models (model.scan_layers = false) deeper than this are compiled at this depth and twice it,"
+        " then extrapolated",
     )
 
 
@@ -90,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
 
     def plan_at(layers: int):
         shaped = dataclasses.replace(model_cfg, num_layers=layers)
-        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat)
+        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll)
         reference = model if cfg.loss.kl_coef else None
         return plan_step(trainer_for(cfg, model, mesh, reference), micro_batches, t.micro_batch_size, m.max_seq_len)
 
     depth = model_cfg.num_layers
-    if depth > 2 * args.depth_from:
+    if not m.scan_layers and depth > 2 * args.depth_from:
         plan = extrapolate_layers(
             plan_at(args.depth_from), plan_at(2 * args.depth_from), depth, args.depth_from, 2 * args.depth_from
         )
@@ -105,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"intellect plan: {cfg.model.path} ({model_cfg.model_type}, {depth} layers, hidden {model_cfg.hidden_size},"
         f" vocab {model_cfg.vocab_size}); {micro_batches} micro-batches of {t.micro_batch_size} x "
-        f"{m.max_seq_len} tokens; params {m.param_dtype}, compute {m.compute_dtype}, remat {m.remat}; "
+        f"{m.max_seq_len} tokens; params {m.param_dtype}, compute {m.compute_dtype}, remat {m.remat}, "
+        f"{'scanned' if m.scan_layers else 'unrolled'} layers; "
         f"{jax.devices()[0].platform} analysis"
     )
     for line in plan.lines(device_bytes):

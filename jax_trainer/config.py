@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from bridge.config import Dtype, Section, require
 
@@ -22,6 +22,7 @@ PolicyLoss = Literal["grpo", "dr_grpo", "gspo", "cispo"]
 Mismatch = Literal["none", "token_mask", "seq_mask", "geo_mask"]
 MISMATCH_BOUNDS = {"token_mask": (0.5, 2.0), "seq_mask": (0.5, 2.0), "geo_mask": (0.99, 1.01)}
 """Default [mismatch_low, mismatch_high] of each `loss.mismatch` mode."""
+RematPolicy = Literal["none", "full", "save_dots", "offload"]
 
 
 class LearnerModelConfig(Section):
@@ -33,10 +34,20 @@ class LearnerModelConfig(Section):
     """dtype of the learner's master parameters and optimizer state."""
     compute_dtype: Dtype = "bfloat16"
     """dtype of the learner's matmuls and activations."""
-    remat: bool = True
-    """Recompute each layer's activations in the backward pass (gradient checkpointing) to save memory."""
+    remat: RematPolicy = "full"
+    """What each layer keeps for the backward pass: none, full (recompute all), save_dots, offload (dots to host)."""
+    scan_layers: bool = True
+    """Stack the layers' parameters and run them with one `lax.scan` (compile time independent of depth)."""
+    scan_unroll: int = Field(1, gt=0)
+    """Layers per iteration of the scan (XLA may overlap work across the unrolled layers)."""
     max_seq_len: int = Field(32768, gt=0)
     """Longest prompt plus completion the learner trains on, in tokens."""
+
+    @field_validator("remat", mode="before")
+    @classmethod
+    def _remat_bool(cls, value):
+        """Recipes written before the named policies said `remat = true/false`: read as full/none."""
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class TrainerConfig(Section):

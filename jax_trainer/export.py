@@ -1,9 +1,10 @@
 """The learner's parameters <-> Hugging Face safetensors directories (the layout of docs/design.md section 4,
 written and read by `bridge.weights`); this module is the JAX side:
 
-- `load_params(model_dir, specs, shardings, dtype)` reads a checkpoint into sharded `jax.Array`s. Each
-  device's slice is read from a memory map, so a host never holds the whole model, and replicated tensors
-  are materialised once per tensor, never all at once.
+- `load_params(model_dir, specs, shardings, dtype)` reads a checkpoint into sharded `jax.Array`s, one
+  `jax.make_array_from_callback` per array and nothing compiled. Each device's slice is read from a memory map
+  (for a stacked array of scanned layers, that slice of every layer's tensor, stacked on the host), so a host
+  never holds the whole model, and replicated tensors are materialised once per array, never all at once.
 - `export_params(arrays, specs, out_dir, version=..., source_dir=...)` writes the arrays as a complete version
   (`bridge.weights.write_version`); the transpose to the HF layout and the cast run on the devices.
 
@@ -42,21 +43,52 @@ def load_params(
     extra = sorted(n for n in ckpt.names() - wanted if not ignore(n))
     if extra:
         raise WeightsError(f"{ckpt.dir}: unexpected tensors the model has no place for: {', '.join(extra[:8])}")
-    views = {s.path: s.to_jax(ckpt.array(s.hf_name, s.hf_shape)) for s in specs}
-    out = {}
+    groups: dict[Path_, list[TensorSpec]] = {}
     for spec in specs:
-        view = views.pop(spec.path)
-        out[spec.path] = jax.make_array_from_callback(
-            spec.jax_shape, shardings[spec.path], lambda idx, v=view: np.ascontiguousarray(v[idx], dtype=np_dtype)
-        )
+        groups.setdefault(spec.path, []).append(spec)
+    views = {path: [s.to_jax(ckpt.array(s.hf_name, s.hf_shape)) for s in group] for path, group in groups.items()}
+    out = {}
+    for path, group in groups.items():
+        layered = _stacked_order(path, group)
+        parts = views.pop(path)
+        if layered:
+            shape = (len(group), *group[0].jax_shape)
+
+            def read(idx, parts=parts):
+                # one device's slice of the stacked array: its slice of each layer's tensor, stacked on the host
+                return np.stack([np.asarray(v[idx[1:]], dtype=np_dtype) for v in parts[idx[0]]])
+
+        else:
+            shape = group[0].jax_shape
+
+            def read(idx, view=parts[0]):
+                return np.ascontiguousarray(view[idx], dtype=np_dtype)
+
+        out[path] = jax.make_array_from_callback(shape, shardings[path], read)
     return out
 
 
+def _stacked_order(path: Path_, group: Sequence[TensorSpec]) -> bool:
+    """Whether the specs at `path` are the layers 0..n-1 of one stacked array (in that order) or one tensor."""
+    layers = [s.layer for s in group]
+    if layers == [None]:
+        return False
+    if layers != list(range(len(group))) or len({s.jax_shape for s in group}) != 1:
+        raise WeightsError(f"tensor specs of {path}: layers {layers} of one shape expected, in order from 0")
+    return True
+
+
 @functools.lru_cache(maxsize=None)
-def _hf_layout_fn(perm: tuple[int, ...], hf_shape: tuple[int, ...], dtype: np.dtype):
-    """A jitted JAX layout -> HF layout + cast, run where the shards live (compiled once per shape)."""
+def _hf_layout_fn(perm: tuple[int, ...], hf_shape: tuple[int, ...], dtype: np.dtype, layered: bool):
+    """A jitted JAX layout -> HF layout + cast, run where the shards live (compiled once per shape); `layered`
+    takes one layer (a traced index, so one program serves every layer) of a stacked array first."""
     inverse = tuple(int(i) for i in np.argsort(perm))
-    return jax.jit(lambda x: x.transpose(inverse).reshape(hf_shape).astype(dtype))
+
+    def layout(x, layer):
+        x = jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) if layered else x
+        return x.transpose(inverse).reshape(hf_shape).astype(dtype)
+
+    return jax.jit(layout)
 
 
 def _hf_host_value(x, spec: TensorSpec, dtype: np.dtype) -> np.ndarray:
@@ -66,7 +98,8 @@ def _hf_host_value(x, spec: TensorSpec, dtype: np.dtype) -> np.ndarray:
     already in the export dtype (half of float32's for bf16). An array spanning several processes is
     gathered collectively.
     """
-    y = _hf_layout_fn(spec.perm, spec.hf_shape, np.dtype(dtype))(x)
+    layered = spec.layer is not None
+    y = _hf_layout_fn(spec.perm, spec.hf_shape, np.dtype(dtype), layered)(x, spec.layer if layered else 0)
     if getattr(y, "is_fully_addressable", True):
         return np.asarray(jax.device_get(y))
     return np.asarray(multihost_utils.process_allgather(y, tiled=True))
@@ -88,9 +121,13 @@ def export_params(
     """Write `arrays` as a complete HF directory at `out_dir` (`bridge.weights.write_version`, which documents
     the other arguments); None on process > 0."""
     for spec in specs:
-        if tuple(arrays[spec.path].shape) != spec.jax_shape:
+        shape = tuple(arrays[spec.path].shape)
+        shape = shape if spec.layer is None else shape[1:]
+        if shape != spec.jax_shape or (spec.layer is not None and spec.layer >= arrays[spec.path].shape[0]):
             raise WeightsError(
-                f"export: {spec.hf_name} has shape {list(arrays[spec.path].shape)}, expected {list(spec.jax_shape)}"
+                f"export: {spec.hf_name} has shape {list(shape)}"
+                f"{'' if spec.layer is None else f' (layer {spec.layer} of {arrays[spec.path].shape[0]})'}"
+                f", expected {list(spec.jax_shape)}"
             )
     np_dtype = resolve_dtype(dtype)
     return write_version(

@@ -25,6 +25,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # logical axis -> mesh axes (None: replicated). Read top to bottom: that is the whole sharding policy.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     # parameters
+    ("layers", None),  # the stacked layer axis of scanned layers: every device holds its slice of each layer
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),

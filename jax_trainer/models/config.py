@@ -60,6 +60,7 @@ class ModelConfig:
     qk_norm: bool = False
     max_position_embeddings: int = 32768
     attention: str = "auto"  # the attention kernel (`jax_trainer.attention.IMPLEMENTATIONS`); not from HF
+    initializer_range: float = 0.02  # std of every random weight of a fresh model (HF's `_init_weights`)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -115,6 +116,7 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            initializer_range=float(hf.get("initializer_range", 0.02)),
         )
 
     @classmethod

@@ -10,22 +10,51 @@
   states [batch, length, hidden] (the TOPLOC activations and the LM head's input).
 
 `param_dtype` is what the parameters are stored in (float32 master weights for training, bfloat16 to serve),
-`compute_dtype` what the matmuls run in. `remat=True` recomputes each layer's activations in the backward
-pass (`jax.checkpoint` per layer), trading compute for memory.
+`compute_dtype` what the matmuls run in.
 
-Layers are a Python list, not a scanned stack: parameter paths then match HF names one to one, and compile
-time at the sizes this project targets is small; a scanned variant is an optimisation left for later.
+Layers are stacked: every parameter of `layers` has a leading layer axis (logical name `layers`, never
+sharded), e.g. `layers.attn.q_proj` is [num_layers, hidden, heads, head_dim]. With `scan_layers=True` (the
+default) one `jax.lax.scan` runs them, so the compiled program holds one layer whatever the depth (`scan_unroll`
+layers per iteration); `scan_layers=False` runs the same stacked parameters in a Python loop (one copy of the
+layer per depth in the program: the A/B baseline, and what the depth test shows growing).
+
+`remat` names what each layer keeps for the backward pass (`REMAT_POLICIES`), applied to the scanned body or
+to each unrolled layer:
+
+- `none`: everything the backward pass needs stays in memory;
+- `full`: only the layer's input; the backward pass recomputes the rest (`jax.checkpoint`);
+- `save_dots`: the projections' outputs (`layers.DENSE_NAME`) stay, the rest (norms, RoPE, attention, SwiGLU)
+  is recomputed;
+- `offload`: the projections' outputs move to pinned host memory and come back for the backward pass, where
+  the backend has pinned host memory beside the device's; on CPU (whose device memory already is host memory)
+  it runs as `full`, and says so in the log. Booleans from older callers read as full (True) / none (False).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_trainer.models.config import ModelConfig
-from jax_trainer.models.layers import MLP, Attention, RMSNorm, _param, rope_inv_freq, rope_tables
+from jax_trainer.models.layers import (
+    DENSE_NAME,
+    MLP,
+    Attention,
+    RMSNorm,
+    _param,
+    init_value,
+    rope_inv_freq,
+    rope_tables,
+)
 from jax_trainer.sharding import constrain
+
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
+LAYER_AXIS = "layers"  # logical name of the stacked layer axis (jax_trainer.sharding maps it to no mesh axis)
+log = logging.getLogger("jax_trainer.models.decoder")
 
 
 class DecoderLayer(nnx.Module):
@@ -41,24 +70,63 @@ class DecoderLayer(nnx.Module):
         return constrain(x, ("batch", "length", "act_embed"))
 
 
-def _run_layer(layer: DecoderLayer, x, cos, sin, segment_ids):
-    return layer(x, cos, sin, segment_ids)
+def remat_name(remat: str | bool) -> str:
+    """The policy's name; True/False (the old boolean) read as full/none."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {remat!r} is not a remat policy; choose one of {', '.join(REMAT_POLICIES)}")
+    return remat
 
 
-def _run_layer_remat(layer: DecoderLayer, x, cos, sin, segment_ids):
-    """`_run_layer` under `jax.checkpoint`, on the layer's parameters as plain arrays.
+@functools.lru_cache(maxsize=None)
+def has_pinned_host() -> bool:
+    """Whether the default device has pinned host memory distinct from its own (GPU, TPU; not CPU)."""
+    device = jax.devices()[0]
+    return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
 
-    `nnx.remat` would re-bind the layer's `Param` objects inside the checkpoint, and nnx refuses that when the
-    parameters come from an enclosing trace (the pi_old recompute inside the step's `lax.map` over
-    micro-batches: "Cannot mutate Param from a different trace level"). Splitting the layer here and merging
-    a fresh copy inside the checkpointed function touches no outer object, whatever trace the call sits in.
+
+@functools.lru_cache(maxsize=None)
+def checkpoint_policy(remat: str):
+    """The `jax.checkpoint` policy of a named remat policy (None for `none`: no checkpoint at all)."""
+    policies = jax.checkpoint_policies
+    if remat == "none":
+        return None
+    if remat == "save_dots":
+        return policies.save_only_these_names(DENSE_NAME)
+    if remat == "offload":
+        if has_pinned_host():
+            return policies.save_and_offload_only_these_names(
+                names_which_can_be_saved=[],
+                names_which_can_be_offloaded=[DENSE_NAME],
+                offload_src="device",
+                offload_dst="pinned_host",
+            )
+        log.warning(
+            "remat 'offload': %s has no pinned host memory apart from its own, running as remat 'full'",
+            jax.devices()[0].platform,
+        )
+    return policies.nothing_saveable
+
+
+def _stacked_layers(cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs) -> DecoderLayer:
+    """`cfg.num_layers` layers as one `DecoderLayer` whose parameters have a leading layer axis.
+
+    The layer's structure comes from an abstract layer (no values); each stacked parameter is then created
+    whole from the initialiser its metadata names.
     """
-    graphdef, state = nnx.split(layer)
+    template = nnx.eval_shape(lambda: DecoderLayer(cfg, param_dtype, compute_dtype, nnx.Rngs(0)))
+    graphdef, state = nnx.split(template)
 
-    def run(state, x, cos, sin, segment_ids):
-        return nnx.merge(graphdef, state)(x, cos, sin, segment_ids)
+    def stack(var):
+        meta = var.get_metadata()
+        init, std = meta["init"]
+        shape = (cfg.num_layers, *var.get_value().shape)
+        key = rngs.params() if init == "normal" else None
+        value = init_value(key, shape, var.get_value().dtype, init, std)
+        return var.replace(value, axes=(LAYER_AXIS, *meta["axes"]))
 
-    return jax.checkpoint(run)(state, x, cos, sin, segment_ids)
+    return nnx.merge(graphdef, jax.tree.map(stack, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
 class Decoder(nnx.Module):
@@ -68,18 +136,24 @@ class Decoder(nnx.Module):
         *,
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
-        remat: bool = False,
+        remat: str | bool = "none",
+        scan_layers: bool = True,
+        scan_unroll: int = 1,
         rngs: nnx.Rngs | None = None,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
+        if scan_unroll < 1:
+            raise ValueError(f"scan_unroll must be >= 1, got {scan_unroll}")
         self.cfg = cfg
         self.compute_dtype = compute_dtype
-        self.remat = remat
-        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal", 1.0)
-        self.layers = nnx.List([DecoderLayer(cfg, param_dtype, compute_dtype, rngs) for _ in range(cfg.num_layers)])
+        self.remat = remat_name(remat)
+        self.scan_layers = scan_layers
+        self.scan_unroll = scan_unroll
+        std = cfg.initializer_range
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal", std)
+        self.layers = _stacked_layers(cfg, param_dtype, compute_dtype, rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         if not cfg.tie_embeddings:
-            std = cfg.hidden_size**-0.5
             self.lm_head = _param(
                 rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), param_dtype, "normal", std
             )
@@ -113,10 +187,33 @@ class Decoder(nnx.Module):
 
         x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "length", "act_embed"))
-        run = _run_layer_remat if self.remat else _run_layer
-        for layer in self.layers:
-            x = run(layer, x, cos, sin, segment_ids)
+        x = self._run_layers(x, cos, sin, segment_ids)
         return self.final_norm(x)
+
+    def _run_layers(self, x, cos, sin, segment_ids):
+        """All layers on x, scanned or unrolled, each under the remat policy.
+
+        The layer runs on its parameters as plain arrays, merged into a fresh module inside the (checkpointed)
+        function: `nnx.remat` would re-bind the outer `Param` objects, which nnx refuses when they come from an
+        enclosing trace (the pi_old recompute inside the step's `lax.map` over micro-batches).
+        """
+        graphdef, state = nnx.split(self.layers)
+
+        def layer(layer_state, x, cos, sin, segment_ids):
+            return nnx.merge(graphdef, layer_state)(x, cos, sin, segment_ids)
+
+        policy = checkpoint_policy(self.remat)
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy)
+        if self.scan_layers:
+
+            def body(x, layer_state):
+                return layer(layer_state, x, cos, sin, segment_ids), None
+
+            return jax.lax.scan(body, x, state, unroll=self.scan_unroll)[0]
+        for i in range(self.cfg.num_layers):
+            x = layer(jax.tree.map(lambda v, i=i: v[i], state), x, cos, sin, segment_ids)
+        return x
 
     def head(self) -> jax.Array:
         """The LM head as an [hidden, vocab] matrix (the embedding, transposed, when tied)."""

@@ -1,12 +1,16 @@
 """The decoder's parameters under their Hugging Face names, and loading/exporting whole models.
 
-`tensor_specs(cfg)` is the one table between the two worlds: for every parameter, its path in the nnx state,
-its HF name and how the HF layout ([out, in] linears, flat heads) maps to ours ([in, out], heads split out).
+`tensor_specs(cfg)` is the one table between the two worlds: for every HF tensor, the path of its parameter in
+the nnx state (with its index in the layer axis for the decoder's stacked layers: `model.layers.3.mlp.up_proj`
+is `layers.mlp.up_proj[3]`) and how the HF layout ([out, in] linears, flat heads) maps to ours ([in, out],
+heads split out).
 `jax_trainer.export` and `bridge.weights` move the bytes; this module builds the model around them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from pathlib import Path
 
 import jax
@@ -17,7 +21,8 @@ from jax.sharding import Mesh
 from bridge.weights import ExportResult, TensorSpec
 from jax_trainer.export import export_params, load_params
 from jax_trainer.models.config import ModelConfig
-from jax_trainer.models.decoder import Decoder
+from jax_trainer.models.decoder import LAYER_AXIS, Decoder
+from jax_trainer.models.layers import init_value
 from jax_trainer.sharding import make_mesh, param_shardings
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -33,56 +38,57 @@ def jnp_dtype(name) -> jnp.dtype:
 
 def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Every parameter of `Decoder(cfg)` with its HF tensor; the order is the export order."""
-    h, n, kv, d, m, v = (
-        cfg.hidden_size,
-        cfg.num_heads,
-        cfg.num_kv_heads,
-        cfg.head_dim,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-    )
+    h, v = cfg.hidden_size, cfg.vocab_size
     specs = [TensorSpec.same(("embed",), "model.embed_tokens.weight", (v, h))]
     for i in range(cfg.num_layers):
-        p, hf = ("layers", i), f"model.layers.{i}"
-        att, mlp = p + ("attn",), p + ("mlp",)
-        specs += [
-            TensorSpec.same(p + ("input_norm", "weight"), f"{hf}.input_layernorm.weight", (h,)),
-            # q/k/v: HF [heads*head_dim, hidden] -> [heads, head_dim, hidden] -> ours [hidden, heads, head_dim]
-            TensorSpec.linear(att + ("q_proj",), f"{hf}.self_attn.q_proj.weight", (n * d, h), (n, d, h), (2, 0, 1)),
-            TensorSpec.linear(att + ("k_proj",), f"{hf}.self_attn.k_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
-            TensorSpec.linear(att + ("v_proj",), f"{hf}.self_attn.v_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
-            # o: HF [hidden, heads*head_dim] -> [hidden, heads, head_dim] -> ours [heads, head_dim, hidden]
-            TensorSpec.linear(att + ("o_proj",), f"{hf}.self_attn.o_proj.weight", (h, n * d), (h, n, d), (1, 2, 0)),
-        ]
-        if cfg.qkv_bias:
-            for name, heads in (("q", n), ("k", kv), ("v", kv)):
-                specs.append(
-                    TensorSpec.linear(
-                        att + (f"{name}_bias",), f"{hf}.self_attn.{name}_proj.bias", (heads * d,), (heads, d), (0, 1)
-                    )
-                )
-        if cfg.o_bias:
-            specs.append(TensorSpec.same(att + ("o_bias",), f"{hf}.self_attn.o_proj.bias", (h,)))
-        if cfg.qk_norm:
-            specs += [
-                TensorSpec.same(att + ("q_norm", "weight"), f"{hf}.self_attn.q_norm.weight", (d,)),
-                TensorSpec.same(att + ("k_norm", "weight"), f"{hf}.self_attn.k_norm.weight", (d,)),
-            ]
-        specs += [
-            TensorSpec.same(p + ("post_attn_norm", "weight"), f"{hf}.post_attention_layernorm.weight", (h,)),
-            TensorSpec.linear(mlp + ("gate_proj",), f"{hf}.mlp.gate_proj.weight", (m, h), (m, h), (1, 0)),
-            TensorSpec.linear(mlp + ("up_proj",), f"{hf}.mlp.up_proj.weight", (m, h), (m, h), (1, 0)),
-            TensorSpec.linear(mlp + ("down_proj",), f"{hf}.mlp.down_proj.weight", (h, m), (h, m), (1, 0)),
-        ]
-        if cfg.mlp_bias:
-            specs += [
-                TensorSpec.same(mlp + ("gate_bias",), f"{hf}.mlp.gate_proj.bias", (m,)),
-                TensorSpec.same(mlp + ("up_bias",), f"{hf}.mlp.up_proj.bias", (m,)),
-                TensorSpec.same(mlp + ("down_bias",), f"{hf}.mlp.down_proj.bias", (h,)),
-            ]
+        layer_specs = _layer_specs(cfg, f"model.layers.{i}")
+        specs += [dataclasses.replace(spec, layer=i) for spec in layer_specs]
     specs.append(TensorSpec.same(("final_norm", "weight"), "model.norm.weight", (h,)))
     if not cfg.tie_embeddings:
         specs.append(TensorSpec.linear(("lm_head",), "lm_head.weight", (v, h), (v, h), (1, 0)))
+    return specs
+
+
+def _layer_specs(cfg: ModelConfig, hf: str) -> list[TensorSpec]:
+    """One layer's tensors (HF names under `hf`), at their paths in the stacked `layers` module."""
+    h, n, kv, d, m = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    p = ("layers",)
+    att, mlp = p + ("attn",), p + ("mlp",)
+    specs = [
+        TensorSpec.same(p + ("input_norm", "weight"), f"{hf}.input_layernorm.weight", (h,)),
+        # q/k/v: HF [heads*head_dim, hidden] -> [heads, head_dim, hidden] -> ours [hidden, heads, head_dim]
+        TensorSpec.linear(att + ("q_proj",), f"{hf}.self_attn.q_proj.weight", (n * d, h), (n, d, h), (2, 0, 1)),
+        TensorSpec.linear(att + ("k_proj",), f"{hf}.self_attn.k_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
+        TensorSpec.linear(att + ("v_proj",), f"{hf}.self_attn.v_proj.weight", (kv * d, h), (kv, d, h), (2, 0, 1)),
+        # o: HF [hidden, heads*head_dim] -> [hidden, heads, head_dim] -> ours [heads, head_dim, hidden]
+        TensorSpec.linear(att + ("o_proj",), f"{hf}.self_attn.o_proj.weight", (h, n * d), (h, n, d), (1, 2, 0)),
+    ]
+    if cfg.qkv_bias:
+        for name, heads in (("q", n), ("k", kv), ("v", kv)):
+            specs.append(
+                TensorSpec.linear(
+                    att + (f"{name}_bias",), f"{hf}.self_attn.{name}_proj.bias", (heads * d,), (heads, d), (0, 1)
+                )
+            )
+    if cfg.o_bias:
+        specs.append(TensorSpec.same(att + ("o_bias",), f"{hf}.self_attn.o_proj.bias", (h,)))
+    if cfg.qk_norm:
+        specs += [
+            TensorSpec.same(att + ("q_norm", "weight"), f"{hf}.self_attn.q_norm.weight", (d,)),
+            TensorSpec.same(att + ("k_norm", "weight"), f"{hf}.self_attn.k_norm.weight", (d,)),
+        ]
+    specs += [
+        TensorSpec.same(p + ("post_attn_norm", "weight"), f"{hf}.post_attention_layernorm.weight", (h,)),
+        TensorSpec.linear(mlp + ("gate_proj",), f"{hf}.mlp.gate_proj.weight", (m, h), (m, h), (1, 0)),
+        TensorSpec.linear(mlp + ("up_proj",), f"{hf}.mlp.up_proj.weight", (m, h), (m, h), (1, 0)),
+        TensorSpec.linear(mlp + ("down_proj",), f"{hf}.mlp.down_proj.weight", (h, m), (h, m), (1, 0)),
+    ]
+    if cfg.mlp_bias:
+        specs += [
+            TensorSpec.same(mlp + ("gate_bias",), f"{hf}.mlp.gate_proj.bias", (m,)),
+            TensorSpec.same(mlp + ("up_bias",), f"{hf}.mlp.up_proj.bias", (m,)),
+            TensorSpec.same(mlp + ("down_bias",), f"{hf}.mlp.down_proj.bias", (h,)),
+        ]
     return specs
 
 
@@ -94,14 +100,23 @@ def _ignored_hf_tensor(cfg: ModelConfig):
     return ignore
 
 
-def abstract_model(cfg: ModelConfig, param_dtype="float32", compute_dtype="float32", remat=False) -> Decoder:
-    """The model's structure with shapes only (no memory allocated)."""
+def abstract_model(
+    cfg: ModelConfig,
+    param_dtype="float32",
+    compute_dtype="float32",
+    remat: str | bool = "none",
+    scan_layers: bool = True,
+    scan_unroll: int = 1,
+) -> Decoder:
+    """The model's structure with shapes only (no memory allocated, nothing compiled)."""
     return nnx.eval_shape(
         lambda: Decoder(
             cfg,
             param_dtype=jnp_dtype(param_dtype),
             compute_dtype=jnp_dtype(compute_dtype),
             remat=remat,
+            scan_layers=scan_layers,
+            scan_unroll=scan_unroll,
             rngs=nnx.Rngs(0),
         )
     )
@@ -114,23 +129,58 @@ def _with_values(abstract: Decoder, values: dict) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
+def _shardings(abstract: Decoder, mesh: Mesh) -> dict[tuple, jax.sharding.Sharding]:
+    return {tuple(k): v.get_value() for k, v in nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh))}
+
+
 def load_hf(
     model_dir: str | Path,
     mesh: Mesh | None = None,
     param_dtype="float32",
     compute_dtype="float32",
-    remat: bool = False,
+    remat: str | bool = "none",
     verify: bool = True,
+    scan_layers: bool = True,
+    scan_unroll: int = 1,
 ) -> Decoder:
-    """A `Decoder` holding a Hugging Face checkpoint's weights, sharded over `mesh` (default: all devices, fsdp)."""
+    """A `Decoder` holding a Hugging Face checkpoint's weights, sharded over `mesh` (default: all devices, fsdp).
+
+    Nothing is compiled: the model's structure comes from `nnx.eval_shape`, and each array is built from the
+    checkpoint's memory maps straight into its sharding (`jax_trainer.export.load_params`), the layers' tensors
+    stacked into their layer axis on the host.
+    """
     cfg = ModelConfig.from_dir(model_dir)
     mesh = mesh if mesh is not None else make_mesh()
-    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
-    shardings = {tuple(k): v.get_value() for k, v in nnx.to_flat_state(param_shardings(nnx.state(abstract), mesh))}
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll)
     arrays = load_params(
-        model_dir, tensor_specs(cfg), shardings, param_dtype, verify=verify, ignore=_ignored_hf_tensor(cfg)
+        model_dir,
+        tensor_specs(cfg),
+        _shardings(abstract, mesh),
+        param_dtype,
+        verify=verify,
+        ignore=_ignored_hf_tensor(cfg),
     )
     return _with_values(abstract, arrays)
+
+
+INIT_PRNG = "unsafe_rbg"  # XLA's RngBitGenerator: one op per random array, instead of Threefry's expansion
+
+
+@functools.lru_cache(maxsize=None)
+def _initialiser(init: str, shape: tuple[int, ...], dtype, sharding, layered: bool):
+    """A small jitted initialiser of one parameter shape, shared by every leaf of that shape and kind.
+
+    A stacked (`layered`) leaf draws layer by layer (`lax.map` over per-layer keys), so that at most one
+    layer's slice of the random bits is live at once whatever XLA does to partition the generator.
+    """
+
+    def create(key, std):
+        if init != "normal" or not layered:
+            return init_value(key, shape, dtype, init, std)
+        keys = jax.random.split(key, shape[0])
+        return jax.lax.map(lambda k: init_value(k, shape[1:], dtype, init, std), keys)
+
+    return jax.jit(create, out_shardings=sharding)
 
 
 def init_random(
@@ -138,27 +188,30 @@ def init_random(
     mesh: Mesh | None = None,
     param_dtype="float32",
     compute_dtype="float32",
-    remat: bool = False,
+    remat: str | bool = "none",
     seed: int = 0,
+    scan_layers: bool = True,
+    scan_unroll: int = 1,
 ) -> Decoder:
-    """A randomly initialised model created directly in its sharded layout (never whole on one device)."""
+    """A randomly initialised model, each parameter created directly in its sharding (never whole on one device).
+
+    Distributions are those of transformers' `_init_weights`: normal(0, `cfg.initializer_range`) for the
+    embedding, the projections and the head, ones for the norms, zeros for the biases. Each parameter is made
+    by a small jitted initialiser (one per shape and kind, reused across same-shaped parameters) from its own
+    `INIT_PRNG` key, folded in from `seed` by the parameter's position: no program holds the whole model.
+    """
     mesh = mesh if mesh is not None else make_mesh()
-    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat)
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, mesh)
-
-    def create():
-        model = Decoder(
-            cfg,
-            param_dtype=jnp_dtype(param_dtype),
-            compute_dtype=jnp_dtype(compute_dtype),
-            remat=remat,
-            rngs=nnx.Rngs(seed),
-        )
-        return nnx.state(model)
-
-    state = jax.jit(create, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll)
+    shardings = _shardings(abstract, mesh)
+    root = jax.random.key(seed, impl=INIT_PRNG)
+    values = {}
+    for index, (path, var) in enumerate(nnx.to_flat_state(nnx.state(abstract))):
+        path, meta, shape = tuple(path), var.get_metadata(), var.get_value()
+        init, std = meta["init"]
+        layered = meta["axes"][0] == LAYER_AXIS
+        create = _initialiser(init, tuple(shape.shape), shape.dtype, shardings[path], layered)
+        values[path] = create(jax.random.fold_in(root, index), jnp.float32(std))
+    return _with_values(abstract, values)
 
 
 def model_arrays(model: Decoder) -> dict[tuple, jax.Array]:

@@ -13,28 +13,41 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_trainer import kernels
 from jax_trainer.attention import attention, check_name
 from jax_trainer.models.config import ModelConfig, RopeConfig
 from jax_trainer.sharding import constrain
 
+DENSE_NAME = "dense"  # the checkpoint name of every projection's output (`dense`)
+
+
+def init_value(key: jax.Array | None, shape, dtype, init: str, std: float = 0.02) -> jax.Array:
+    """Values of a parameter: 'ones', 'zeros' or 'normal' (mean 0, `std`, drawn in float32 from `key`)."""
+    if init == "ones":
+        return jnp.ones(shape, dtype)
+    if init == "zeros":
+        return jnp.zeros(shape, dtype)
+    if init == "normal":
+        return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    raise ValueError(f"parameter init {init!r} is not one of ones, zeros, normal")
+
 
 def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str, std: float = 0.02) -> nnx.Param:
-    """A parameter with logical axes; values from `init` ('normal', 'ones', 'zeros')."""
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, axes=tuple(axes))
+    """A parameter with logical axes and its initialiser (`init`: 'normal', 'ones', 'zeros'; `std`) as metadata,
+    from which `jax_trainer.models.hf.init_random` recreates it leaf by leaf."""
+    value = init_value(rngs.params() if init == "normal" else None, shape, dtype, init, std)
+    return nnx.Param(value, axes=tuple(axes), init=(init, std))
 
 
 def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
     """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32
-    (`jax_trainer.kernels.dense`: its backward pass is written by hand)."""
-    return kernels.dense(x, kernel, contract, dtype)
+    (`jax_trainer.kernels.dense`: its backward pass is written by hand).
+
+    The result is named `DENSE_NAME` for the remat policies: XLA-level "save the dots" policies cannot see the
+    dot inside the custom-VJP kernel, a checkpoint name can."""
+    return checkpoint_name(kernels.dense(x, kernel, contract, dtype), DENSE_NAME)
 
 
 class RMSNorm(nnx.Module):
@@ -93,7 +106,7 @@ class Attention(nnx.Module):
         check_name(cfg.attention)
         self.cfg = cfg
         self.dtype = compute_dtype
-        std = 1.0 / math.sqrt(h)
+        std = cfg.initializer_range
         self.q_proj = _param(rngs, (h, n, d), ("embed", "heads", "head_dim"), param_dtype, "normal", std)
         self.k_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal", std)
         self.v_proj = _param(rngs, (h, kv, d), ("embed", "kv_heads", "head_dim"), param_dtype, "normal", std)
@@ -137,9 +150,10 @@ class MLP(nnx.Module):
         h, m = cfg.hidden_size, cfg.intermediate_size
         self.dtype = compute_dtype
         self.bias = cfg.mlp_bias
-        self.gate_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", 1.0 / math.sqrt(h))
-        self.up_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", 1.0 / math.sqrt(h))
-        self.down_proj = _param(rngs, (m, h), ("mlp", "embed"), param_dtype, "normal", 1.0 / math.sqrt(m))
+        std = cfg.initializer_range
+        self.gate_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", std)
+        self.up_proj = _param(rngs, (h, m), ("embed", "mlp"), param_dtype, "normal", std)
+        self.down_proj = _param(rngs, (m, h), ("mlp", "embed"), param_dtype, "normal", std)
         if cfg.mlp_bias:
             self.gate_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")
             self.up_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")

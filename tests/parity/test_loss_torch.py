@@ -104,7 +104,7 @@ def test_loss_and_gradients_match_pytorch(tiny_model, name):
     assert abs(loss - ref_loss) <= 1e-4 * max(abs(ref_loss), 1e-3), (loss, ref_loss)
     flat = {tuple(p): v.get_value() for p, v in nnx.to_flat_state(grads)}
     for spec in tensor_specs(model.cfg):
-        ours = spec.to_hf(np.asarray(flat[spec.path]))
+        ours = spec.to_hf(spec.of(np.asarray(flat[spec.path])))
         theirs = ref_grads[spec.hf_name]
         scale = np.abs(theirs).max()
         assert scale > 0, spec.hf_name
