@@ -34,6 +34,8 @@ class LearnerModelConfig(Section):
     """dtype of the learner's master parameters and optimizer state."""
     compute_dtype: Dtype = "bfloat16"
     """dtype of the learner's matmuls and activations."""
+    attention: Literal["auto", "xla", "cudnn", "splash"] = "auto"
+    """Attention kernel (`jax_trainer.attention`): auto = splash on TPU, cudnn on GPU in bf16, xla otherwise."""
     remat: RematPolicy = "full"
     """What each layer keeps for the backward pass: none, full (recompute all), save_dots, offload (dots to host)."""
     scan_layers: bool = True
