@@ -3,9 +3,10 @@
 A batch is one assignment's output (G completions for each of P prompts), stored under
 `<store>/v{version:06d}/{batch_id}/` on any tensorstore kvstore:
 
-    v000003/b-17/tokens/zarr.json  tokens/0 ...     one 1-D zarr v3 array per field of `FIELDS` (compressed,
-                                                     `CODECS`; origin 0; `fill_value` 0; chunk keys in the
-                                                     "v2" encoding, so chunk k is `tokens/k`)
+    v000003/b-17/tokens/zarr.json  tokens/0 ...     one 1-D zarr v3 array per field of `FIELDS` and per
+                                                     optional field of `OPTIONAL_FIELDS` the batch holds
+                                                     (compressed, `CODECS`; origin 0; `fill_value` 0; chunk
+                                                     keys in the "v2" encoding, so chunk k is `tokens/k`)
     v000003/b-17/meta.json                           a JSON object, see below
     v000003/b-17/COMMIT                              64 lowercase hex digits of the digest below, then "\\n"
 
@@ -14,6 +15,11 @@ A batch is one assignment's output (G completions for each of P prompts), stored
 `model_dtype` ("float32" | "bfloat16" | "float16"), and the counts `num_samples` (n), `num_tokens` (T) and
 `num_proof_bytes` (P) that fix every array's length: T for tokens and logprobs, n + 1 for both offset
 arrays, P for proofs, n for the rest. This writer emits it with sorted keys, no spaces, ASCII only.
+
+Optional fields (`OPTIONAL_FIELDS`): `full_logprobs` (float32, T), the engine's logprob of each sampled token
+on the full distribution at the sampling temperature, before top-k/top-p (0 on prompt tokens). A batch
+holds it when its worker recorded it (`gpu_workers.vllm_sampler`); a reader finds it by its `zarr.json`, and
+a batch without it (older writers, vLLM's own sampler) reads as before with `full_logprobs = None`.
 
 The store is opened from a URL or a kvstore spec: a plain path or `file:///abs/dir` (default), `memory://`
 (tests; writer and reader must share the `RolloutStore` or its `context`), and `gs://bucket/prefix`,
@@ -26,7 +32,8 @@ language can recompute it:
 
     digest = sha256(
         b"intellect-rollout-batch/1\\n"
-        + for each field in the order of `FIELDS` (the order of the table in docs/design.md section 6):
+        + for each field in the order of `FIELDS` (the order of the table in docs/design.md section 6),
+          then each optional field the batch holds, in the order of `OPTIONAL_FIELDS`:
               name + b"\\n" + dtype + b"\\n" + u64le(number of elements) + sha256(values)
         + b"meta.json\\n" + u64le(len(meta)) + sha256(meta))
 
@@ -95,8 +102,11 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("proofs", "uint8", "P"),
     ("proof_offsets", "int64", "n+1"),
 )
+OPTIONAL_FIELDS: tuple[tuple[str, str, str], ...] = (("full_logprobs", "float32", "T"),)
+"""Fields a batch may hold or not (module docstring); hashed after `FIELDS` when present."""
 FIELD_NAMES = tuple(name for name, _, _ in FIELDS)
-_DTYPE = {name: dtype for name, dtype, _ in FIELDS}
+_DTYPE = {name: dtype for name, dtype, _ in FIELDS + OPTIONAL_FIELDS}
+_FULL_LOGPROB_SLACK = 1e-4  # float32 rounding of processed + log(kept mass) against the processed logprob
 _META_KEYS = frozenset(
     {
         "schema",
@@ -285,6 +295,8 @@ class RolloutBatch:
     rewards: np.ndarray
     proofs: np.ndarray
     proof_offsets: np.ndarray
+    full_logprobs: np.ndarray | None = None
+    """Optional (`OPTIONAL_FIELDS`): each token's engine logprob on the full distribution, before top-k/top-p."""
 
     @classmethod
     def from_samples(
@@ -301,8 +313,10 @@ class RolloutBatch:
         rewards: Sequence[float],
         proofs: Sequence[bytes],
         target_lens: Sequence[int] | None = None,
+        full_logprobs: Sequence[Any] | None = None,
     ) -> RolloutBatch:
-        """Concatenate per-sample sequences (tokens, logprobs, proof bytes) into the flat layout."""
+        """Concatenate per-sample sequences (tokens, logprobs, proof bytes) into the flat layout;
+        `full_logprobs` (per sample, like `logprobs`; None: the batch does not hold the optional field)."""
         where = _where(meta.version, meta.batch_id)
         n = len(tokens)
         lists = {
@@ -337,10 +351,22 @@ class RolloutBatch:
         }
         for name in ("prompt_lens", "task_ids", "group_ids", "seeds", "finish", "rewards"):
             arrays[name] = _cast(lists[name], _DTYPE[name], where, name)
+        if full_logprobs is not None:
+            if len(full_logprobs) != n:
+                raise RolloutStoreError(where, "full_logprobs", f"{len(full_logprobs)} entries for {n} samples")
+            arrays["full_logprobs"] = (
+                np.concatenate([_cast(x, "float32", where, "full_logprobs") for x in full_logprobs])
+                if n
+                else np.zeros(0, np.float32)
+            )
         return cls(meta=meta, **arrays)
 
+    def fields(self) -> tuple[tuple[str, str, str], ...]:
+        """(name, dtype, length) of every array this batch holds: `FIELDS`, then its optional fields."""
+        return FIELDS + tuple(f for f in OPTIONAL_FIELDS if getattr(self, f[0]) is not None)
+
     def arrays(self) -> dict[str, np.ndarray]:
-        return {name: getattr(self, name) for name in FIELD_NAMES}
+        return {name: getattr(self, name) for name, _, _ in self.fields()}
 
     @property
     def ref(self) -> BatchRef:
@@ -363,6 +389,12 @@ class RolloutBatch:
 
     def sample_logprobs(self, i: int) -> np.ndarray:
         return self.logprobs[self.offsets[i] : self.offsets[i + 1]]
+
+    def sample_ratio_logprobs(self, i: int) -> np.ndarray:
+        """The engine's logprobs an importance ratio against the learner needs: `full_logprobs` where the batch
+        holds them (the learner's logprobs are on the full distribution too), else the processed `logprobs`."""
+        source = self.logprobs if self.full_logprobs is None else self.full_logprobs
+        return source[self.offsets[i] : self.offsets[i + 1]]
 
     def sample_proof(self, i: int) -> bytes:
         return self.proofs[self.proof_offsets[i] : self.proof_offsets[i + 1]].tobytes()
@@ -462,25 +494,29 @@ def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
 def expected_lengths(counts: Mapping[str, int]) -> dict[str, int]:
     n, t, p = counts["num_samples"], counts["num_tokens"], counts["num_proof_bytes"]
     sizes = {"T": t, "n": n, "n+1": n + 1, "P": p}
-    return {name: sizes[length] for name, _, length in FIELDS}
+    return {name: sizes[length] for name, _, length in FIELDS + OPTIONAL_FIELDS}
 
 
 def _field_digest(arr: np.ndarray, dtype: str) -> bytes:
     return hashlib.sha256(np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))).digest()
 
 
-def _combine(sizes: Sequence[int], digests: Sequence[bytes], meta_bytes: bytes) -> str:
+def _combine(
+    fields: Sequence[tuple[str, str, str]], sizes: Sequence[int], digests: Sequence[bytes], meta_bytes: bytes
+) -> str:
     outer = hashlib.sha256(DIGEST_DOMAIN)
-    for (name, dtype, _), size, digest in zip(FIELDS, sizes, digests):
+    for (name, dtype, _), size, digest in zip(fields, sizes, digests, strict=True):
         outer.update(name.encode() + b"\n" + dtype.encode() + b"\n" + struct.pack("<Q", size) + digest)
     outer.update(b"meta.json\n" + struct.pack("<Q", len(meta_bytes)) + hashlib.sha256(meta_bytes).digest())
     return outer.hexdigest()
 
 
 def canonical_sha256(arrays: Mapping[str, np.ndarray], meta_bytes: bytes) -> str:
-    """Hex sha256 of the batch's canonical bytes (module docstring); fields are hashed in parallel."""
-    digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in FIELDS]
-    return _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], meta_bytes)
+    """Hex sha256 of the batch's canonical bytes (module docstring); fields are hashed in parallel. `arrays`
+    holds every field of `FIELDS` and the optional fields the batch holds."""
+    fields = FIELDS + tuple(f for f in OPTIONAL_FIELDS if f[0] in arrays)
+    digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in fields]
+    return _combine(fields, [arrays[name].size for name, _, _ in fields], [d.result() for d in digests], meta_bytes)
 
 
 def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
@@ -490,7 +526,7 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     n = len(batch.prompt_lens)
     counts = {"num_samples": n, "num_tokens": len(batch.tokens), "num_proof_bytes": len(batch.proofs)}
     want = expected_lengths(counts)
-    for name, dtype, _ in FIELDS:
+    for name, dtype, _ in batch.fields():
         arr = arrays[name]
         if not isinstance(arr, np.ndarray) or arr.dtype != np.dtype(dtype) or arr.ndim != 1:
             got = f"{arr.dtype}{list(arr.shape)}" if isinstance(arr, np.ndarray) else type(arr).__name__
@@ -529,6 +565,16 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     bounds = np.stack([offsets[:-1], offsets[:-1] + batch.prompt_lens]).T.reshape(-1)
     nonzero = np.add.reduceat((batch.logprobs != 0).view(np.uint8), bounds, dtype=np.int64)[0::2]
     fail("logprobs", nonzero > 0, "non-zero logprob on a prompt token of the sample")
+    if batch.full_logprobs is not None:
+        full = batch.full_logprobs
+        fail("full_logprobs", ~np.isfinite(full), "non-finite logprob")
+        nonzero = np.add.reduceat((full != 0).view(np.uint8), bounds, dtype=np.int64)[0::2]
+        fail("full_logprobs", nonzero > 0, "non-zero logprob on a prompt token of the sample")
+        fail(
+            "full_logprobs",
+            full > batch.logprobs + _FULL_LOGPROB_SLACK,
+            "full-distribution logprob above the processed one (the kept top-p mass cannot exceed 1)",
+        )
     fail("rewards", ~np.isfinite(batch.rewards), "non-finite reward")
     fail("finish", batch.finish > FINISH_LENGTH, f"finish must be {FINISH_STOP} (stop) or {FINISH_LENGTH} (length)")
     fail("task_ids", batch.task_ids < 0, "negative task id")
@@ -639,10 +685,11 @@ class RolloutStore:
         prefix = batch_path(batch.meta.version, batch.meta.batch_id) + "/"
         where = prefix[:-1]
         check_batch(batch, vocab_size)
-        arrays = batch.arrays()
+        arrays, fields = batch.arrays(), batch.fields()
+        names = tuple(name for name, _, _ in fields)
         meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs))
         parse_meta(meta, where)  # the reader's checks of node_key, assignment_id, model_dtype, ...
-        digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in FIELDS]
+        digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in fields]
         existing = _result(self.kvstore.read(prefix + "COMMIT"), where, "COMMIT", "reading")
         if existing.state != "missing":
             raise RolloutStoreError(where, "COMMIT", "the batch is already committed; batch ids are written once")
@@ -654,16 +701,16 @@ class RolloutStore:
                 context=self.context,
                 create=True,
             )
-            for name, dtype, _ in FIELDS
+            for name, dtype, _ in fields
         }
         writes = [self.kvstore.write(prefix + "meta.json", meta)]
-        for name in FIELD_NAMES:
+        for name in names:
             store = _result(opened[name], where, name, "creating the array")
             if len(arrays[name]):
                 writes.append(store.write(arrays[name]))
-        for name, future in zip(("meta.json",) + FIELD_NAMES, writes):
+        for name, future in zip(("meta.json",) + names, writes):
             _result(future, where, name, "writing")
-        digest = _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], meta)
+        digest = _combine(fields, [arrays[name].size for name in names], [d.result() for d in digests], meta)
         commit = self.kvstore.write(prefix + "COMMIT", digest.encode() + b"\n", if_equal=existing.stamp.generation)
         stamp = _result(commit, where, "COMMIT", "writing")
         if not stamp.generation:
@@ -695,6 +742,11 @@ class RolloutStore:
             if probe.state != "missing":
                 raise RolloutStoreError(where, field, f"longer than the {limit} bytes the reader accepts")
         return _result(self.kvstore.read(key), where, field, "reading")
+
+    def _holds(self, prefix: str, name: str, where: str) -> bool:
+        """Whether the batch holds the optional field `name` (its `zarr.json` exists; the digest, which
+        covers exactly the fields present, proves the writer committed that choice)."""
+        return self._read_small(f"{prefix}{name}/zarr.json", _MAX_ZARR_JSON_BYTES, where, name).state != "missing"
 
     def _open_array(self, prefix: str, name: str, where: str) -> Any:
         """Open one array from its `zarr.json`, read here with a bound, parsed, and given to tensorstore as the
@@ -754,16 +806,17 @@ class RolloutStore:
         if limits is not None:
             limits.check_counts(counts, where)
         lengths = expected_lengths(counts)
-        declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in FIELDS)
+        fields = FIELDS + tuple(f for f in OPTIONAL_FIELDS if self._holds(prefix, f[0], where))
+        declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in fields)
         if declared > max_batch_bytes:
             raise RolloutStoreError(
                 where,
                 "meta.json",
                 f"declares {declared} bytes of arrays, more than the reader's limit of {max_batch_bytes}",
             )
-        opened = {name: self._open_array(prefix, name, where) for name in FIELD_NAMES}
+        opened = {name: self._open_array(prefix, name, where) for name, _, _ in fields}
         reads = {}
-        for name, dtype, kind in FIELDS:  # every array's declared shape and chunking, before it is read
+        for name, dtype, kind in fields:  # every array's declared shape and chunking, before it is read
             store = _result(opened[name], where, name, "opening the array")
             if store.dtype.numpy_dtype != np.dtype(dtype) or store.rank != 1:
                 raise RolloutStoreError(
@@ -797,10 +850,11 @@ class RolloutStore:
                 )
             reads[name] = store.read()
         arrays, digests = {}, []
-        for name, dtype, _ in FIELDS:  # hash each field as soon as it is decoded, while the others still load
+        for name, dtype, _ in fields:  # hash each field as soon as it is decoded, while the others still load
             arrays[name] = np.asarray(_result(reads[name], where, name, "reading"))
             digests.append(_HASH_POOL.submit(_field_digest, arrays[name], dtype))
-        actual = _combine([arrays[name].size for name in FIELD_NAMES], [d.result() for d in digests], raw.value)
+        sizes = [arrays[name].size for name, _, _ in fields]
+        actual = _combine(fields, sizes, [d.result() for d in digests], raw.value)
         if actual != digest:
             raise RolloutStoreError(
                 where,
@@ -808,7 +862,7 @@ class RolloutStore:
                 f"the batch's canonical sha256 is {actual}, COMMIT says {digest} "
                 "(the stored bytes were altered or are incomplete)",
             )
-        batch = RolloutBatch(meta=meta, **{name: arrays[name].astype(dtype, copy=False) for name, dtype, _ in FIELDS})
+        batch = RolloutBatch(meta=meta, **{name: arrays[name].astype(dtype, copy=False) for name, dtype, _ in fields})
         check_batch(batch, vocab_size)
         if limits is not None:
             limits.check_samples(batch, where)

@@ -94,10 +94,10 @@ def reference_flat(data: dict) -> dict[str, np.ndarray]:
     }
 
 
-def reference_digest(flat: dict[str, np.ndarray], meta_bytes: bytes) -> str:
+def reference_digest(flat: dict[str, np.ndarray], meta_bytes: bytes, schema=SCHEMA) -> str:
     """The canonical bytes exactly as the module docstring defines them, built as one byte string."""
     canon = b"intellect-rollout-batch/1\n"
-    for name, dtype in SCHEMA:
+    for name, dtype in schema:
         values = np.asarray(flat[name]).astype(dtype)
         canon += (
             name.encode()
@@ -451,3 +451,50 @@ def test_store_file_is_independent_of_the_working_directory(tmp_path: Path, monk
     store = RolloutStore.open("rel/store")
     store.write(make_batch()[0])
     assert os.path.isfile(tmp_path / "rel" / "store" / "v000003" / "b-1" / "COMMIT")
+
+
+def _with_full_logprobs(seed: int = 5) -> tuple[RolloutBatch, dict, list[np.ndarray]]:
+    """A batch whose worker recorded full-distribution logprobs: processed + log(kept top-p mass) <= processed."""
+    batch, data = make_batch(seed=seed)
+    rng = np.random.default_rng(seed)
+    full = []
+    for lp, p in zip(data["logprobs"], data["prompt_lens"]):
+        f = lp.copy()
+        f[p:] += np.log(rng.uniform(0.85, 1.0, len(lp) - p)).astype(np.float32)
+        full.append(f)
+    return RolloutBatch.from_samples(batch.meta, **data, full_logprobs=full), data, full
+
+
+def test_full_logprobs_are_optional_hashed_when_present_and_read_back(tmp_path: Path):
+    batch, data, full = _with_full_logprobs()
+    store = RolloutStore.open(tmp_path / "store")
+    digest = store.write(batch)
+    root = tmp_path / "store" / "v000003" / "b-1"
+    flat = {**reference_flat(data), "full_logprobs": np.concatenate(full)}
+    assert digest == reference_digest(flat, (root / "meta.json").read_bytes(), SCHEMA + [("full_logprobs", "<f4")])
+    again = store.read(3, "b-1", expect_sha256=digest)
+    np.testing.assert_array_equal(again.full_logprobs, flat["full_logprobs"])
+    np.testing.assert_array_equal(again.sample_ratio_logprobs(2), full[2])
+    old, _ = make_batch(seed=5, batch_id="b-2")  # a batch without the field (older writers) reads as before
+    store.write(old)
+    back = store.read(3, "b-2")
+    assert back.full_logprobs is None and not (root.parent / "b-2" / "full_logprobs").exists()
+    np.testing.assert_array_equal(back.sample_ratio_logprobs(2), data["logprobs"][2])
+    # removing the field from a committed batch breaks its digest: presence is part of what was committed
+    for path in sorted((root / "full_logprobs").iterdir(), reverse=True):
+        path.unlink()
+    (root / "full_logprobs").rmdir()
+    with pytest.raises(RolloutStoreError, match="COMMIT: the batch's canonical sha256"):
+        store.read(3, "b-1")
+
+
+def test_full_logprobs_above_the_processed_ones_or_on_prompts_are_refused(mem_store: RolloutStore):
+    batch, data, full = _with_full_logprobs()
+    above = [f.copy() for f in full]
+    above[1][-1] = data["logprobs"][1][-1] + 0.01  # a kept mass above 1
+    on_prompt = [f.copy() for f in full]
+    on_prompt[0][0] = -0.3
+    for values, reason in ((above, "above the processed one"), (on_prompt, "on a prompt token")):
+        bad = RolloutBatch.from_samples(batch.meta, **data, full_logprobs=values)
+        with pytest.raises(RolloutStoreError, match=f"^rollout batch v000003/b-1: full_logprobs: .*{reason}"):
+            mem_store.write(bad)
