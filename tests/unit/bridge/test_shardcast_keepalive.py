@@ -196,7 +196,8 @@ class ScriptedKeepAliveServer:
                 with self._lock:
                     self.requests.append((path, headers))
                 status, extra, body = self.answer(path, headers)
-                head_lines = [f"HTTP/1.1 {status} X", f"Content-Length: {len(body)}"]
+                length = extra.pop("Content-Length", len(body))  # more than the body: the rest never comes
+                head_lines = [f"HTTP/1.1 {status} X", f"Content-Length: {length}"]
                 head_lines += [f"{k}: {v}" for k, v in extra.items()]
                 try:
                     conn.sendall(("\r\n".join(head_lines) + "\r\n\r\n").encode() + body)
@@ -208,9 +209,13 @@ class ScriptedKeepAliveServer:
 
 
 def sized(path: str, headers: dict) -> tuple[int, dict, bytes]:
-    """`GET /n`: n bytes; `GET /status/S`: status S with a JSON error body."""
+    """`GET /n`: n bytes; `GET /status/S`: status S with a JSON error body; `GET /stall/n`: n bytes of a body
+    said to be twice as long, whose rest never comes."""
     if path.startswith("/status/"):
         return int(path.rsplit("/", 1)[1]), {}, b'{"error": "refused by the test"}'
+    if path.startswith("/stall/"):
+        n = int(path.rsplit("/", 1)[1])
+        return 200, {"Content-Length": 2 * n}, expected(n)
     return 200, {}, bytes(range(256)) * (int(path[1:]) // 256) + bytes(int(path[1:]) % 256)
 
 
@@ -277,6 +282,21 @@ def test_a_connection_that_broke_off_while_reading_is_closed_not_pooled():
         assert resp.sock.fileno() < 0
         two_requests_at_once(server)
         assert server.connections == 3  # neither request got the broken connection
+    finally:
+        server.close()
+
+
+def test_a_connection_whose_body_timed_out_is_closed_not_pooled():
+    server = ScriptedKeepAliveServer(sized)
+    try:
+        resp = open_get(server.url, "/stall/1000", timeout=5)
+        with pytest.raises(TransferError, match="stalled"):
+            receive_into_buffer(resp, memoryview(bytearray(2000)), timeout=0.3, progress=lambda n: None)
+        resp.close()
+        resp.close()
+        assert resp.sock.fileno() < 0
+        two_requests_at_once(server)
+        assert server.connections == 3
     finally:
         server.close()
 
