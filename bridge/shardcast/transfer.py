@@ -8,12 +8,12 @@ size limits for JSON), so a hostile or broken server costs a time-out, never a h
 
 Connections are kept alive: a response whose body was read to its last byte gives its socket back to a small
 per-server pool (at most `IDLE_PER_SERVER` sockets, each reused within `IDLE_S` seconds), and the next request
-to that server takes it instead of opening a new one. A response gives its socket back at most once (closing it
-again does nothing), one that broke off or was not read to its end closes it instead, and the pool refuses a
-socket it already holds: two requests never share a connection. Over a WAN that saves the TCP handshake (a round trip)
+to that server takes it instead of opening a new one. Over a WAN that saves the TCP handshake (a round trip)
 per request: the manifest and the files follow a long-poll on the long-poll's connection. A pooled socket
 that the server has closed meanwhile is noticed before or as it is reused, and the request is sent again on a
-new connection (every request here is an idempotent GET).
+new connection (every request here is an idempotent GET). A response gives its socket back at most once
+(closing it again does nothing), one that broke off or was not read to its end closes it instead, and the
+pool refuses a socket it already holds: two requests never share a connection.
 """
 
 from __future__ import annotations
