@@ -21,7 +21,8 @@ def engine(tiny_model):
 
 
 def _recorded_steps(engine) -> int:
-    return engine.llm.collective_rpc(lambda worker: len(worker.model_runner._toploc_recorder.steps))[0]
+    source = engine.capture.source
+    return engine.llm.collective_rpc(lambda worker: len(worker.model_runner._toploc_recorders[source].steps))[0]
 
 
 def test_proofs_off_gives_the_same_samples_without_proofs_and_records_nothing(engine):
