@@ -49,9 +49,13 @@ USER 10001
 WORKDIR /data
 
 # run.dir holds the fetched policy versions (and a local rollout store if worker.store_url is unset).
+# The prefill, the replay check and the TOPLOC comparison run on the first GPU: a container started without
+# one (no --gpus) stops with an error naming validator.device rather than judging on its CPU, 20x slower or
+# more; pass --validator.device cpu to mean it.
 ENV INTELLECT_RUN__DIR=/data \
     INTELLECT_VALIDATOR__KEY_PATH=/keys/validator.key \
-    INTELLECT_VALIDATOR__HEALTH_FILE=/tmp/intellect-health
+    INTELLECT_VALIDATOR__HEALTH_FILE=/tmp/intellect-health \
+    INTELLECT_VALIDATOR__DEVICE=cuda
 VOLUME ["/keys", "/data"]
 
 # The node rewrites its health file after every heartbeat the orchestrator answered (every

@@ -49,6 +49,8 @@ USER 10001
 WORKDIR /data
 
 # run.dir holds the fetched policy versions (and a local rollout store if worker.store_url is unset).
+# vLLM runs on the GPU with CUDA graphs and torch.compile (worker.enforce_eager unset: the TOPLOC capture reads
+# the LM head's input, outside the graphs); --worker.enforce_eager true turns them off.
 ENV INTELLECT_RUN__DIR=/data \
     INTELLECT_WORKER__KEY_PATH=/keys/worker.key \
     INTELLECT_WORKER__HEALTH_FILE=/tmp/intellect-health

@@ -559,3 +559,36 @@ def test_intellect2_recipe_has_the_papers_values():
     # QwQ-32B: 40 query heads, 8 KV heads, MLP 27648, vocabulary 152064 (its config.json) split over `tensor`.
     assert all(n % t["tensor"] == 0 for n in (40, 8, 27648, 152064))
     assert t["micro_batch_size"] % (t["data"] * t["fsdp"]) == 0  # rows divide over the batch axes
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_the_images_run_on_the_gpu_by_default(role, monkeypatch):
+    """Without a daemon: the image is the CUDA build of vLLM, `docker run` is shown with --gpus, and the
+    config the entrypoint resolves from the image's environment puts the role on the GPU: the validator's
+    device is "cuda" (cuda:0 where torch sees a GPU; an error naming validator.device where it does not), the
+    worker's vLLM keeps CUDA graphs and compilation."""
+    import torch
+
+    from gpu_workers.engine import engine_eager
+    from gpu_workers.prefill import resolve_device
+
+    path = DOCKER / f"{role}.Dockerfile"
+    ins = parse_dockerfile(path)
+    image, _, tag = ins[0][1].partition(":")
+    assert image == "vllm/vllm-openai" and not tag.endswith("-cpu")  # the CUDA image, not vllm-cpu's
+    assert _env(ins)["INTELLECT_VLLM"] == "cuda"
+    assert re.search(rf"docker run [^\n]*--gpus all[^\n]*--name intellect-{role}", path.read_text())
+
+    cfg = load_config(env={k: v for k, v in _env(ins).items() if k.startswith("INTELLECT_")})
+    if role == "validator":
+        assert cfg.validator.device == "cuda"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        assert resolve_device(cfg.validator.device) == "cuda:0"
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        with pytest.raises(ValueError, match=r"validator\.device = 'cuda'"):
+            resolve_device(cfg.validator.device)
+    else:
+        assert cfg.worker.enforce_eager is None
+        assert engine_eager(cfg.worker.enforce_eager, on_cuda=True) is False
+        assert engine_eager(cfg.worker.enforce_eager, on_cuda=False) is True
