@@ -22,12 +22,14 @@ from gpu_workers.checks import (
     check_computation,
     check_computation_batch,
     check_fixed_data,
+    check_replay_batch,
     check_reward,
     check_sampling,
     check_sampling_batch,
     check_termination,
     samples_from_arrays,
 )
+from gpu_workers.replay import gumbel_noise
 from gpu_workers.toploc import build_proofs, proof_sizes, split_proofs
 
 EXACT = SamplingTolerance(logit_tolerance=0.0)
@@ -398,8 +400,8 @@ def _reference_verdict_numbers(reference, stored, top_p, tolerance):
     accepted = bool(
         not outside.any()
         and diff.max() <= tolerance.max_logprob_diff
-        and diff.sum() <= tolerance.mean_logprob_diff * len(stored) + tolerance.logprob_diff_allowance
-        and signed <= tolerance.mean_signed_logprob_diff * len(stored) + tolerance.logprob_diff_allowance
+        and diff.sum() - diff.max() <= tolerance.mean_logprob_diff * len(stored) + tolerance.logprob_diff_allowance
+        and signed - diff.max() <= tolerance.mean_signed_logprob_diff * len(stored) + tolerance.logprob_diff_allowance
     )
     return numbers, None if borderline.any() else accepted
 
@@ -526,3 +528,46 @@ def test_batched_checks_give_each_samples_own_verdict():
     computed = check_computation_batch(proofs)
     assert computed == [check_computation(*p) for p in proofs]
     assert [v.passed for v in computed] == [True, False, True, False, True, True]
+
+
+def _boundary_row(vocab: int = 8) -> torch.Tensor:
+    """Validator logits where token 2 is the last of the top-p 0.7 nucleus by 0.01 of mass (0.69 ranks above it)."""
+    probs = np.array([0.37, 0.32, 0.25] + [0.06 / (vocab - 3)] * (vocab - 3))
+    return torch.from_numpy(np.log(probs)).float()
+
+
+def test_honest_one_and_two_token_bfloat16_samples_pass_the_mean_logprob_bounds():
+    """A bfloat16 worker whose logit of token 1 is 0.15 higher than the validator's (rounding) leaves token 2
+    out of its top-p nucleus: its logprob of token 0, renormalised over a smaller nucleus, is ~0.24 above the
+    validator's. In a 1- or 2-token sample that boundary token was the whole signed mean and failed the bound
+    (0.05 x n + 0.1 at T 1), rejecting the honest batch; the stored logprobs are vLLM's own processed ones."""
+    top_p, rng = 0.7, np.random.default_rng(4)
+    boundary = _boundary_row()
+    plain = torch.from_numpy(rng.standard_normal(8) * 2).float()
+    validator = torch.stack([boundary, plain])
+    worker = validator.clone()
+    worker[0, 1] += 0.15
+    worker[1] += torch.from_numpy(rng.uniform(-0.05, 0.05, 8)).float()
+    stored_all = _vllm_processed(worker, 1.0, top_p)
+    assert not torch.isfinite(stored_all[0, 2]) and torch.isfinite(_vllm_processed(validator, 1.0, top_p)[0, 2])
+    tokens = [0, int(torch.argmax(stored_all[1]))]
+    stored = stored_all[[0, 1], tokens].numpy()
+    for n in (1, 2):
+        recomputed = _vllm_processed(validator[:n], 1.0, top_p)[range(n), tokens[:n]].numpy()
+        signed = float((stored[:n] - recomputed).sum())
+        assert abs(signed) > 0.05 * n + 0.1, f"{n} tokens: drift {signed:.3f}, not the case meant"
+        verdict = check_sampling(tokens[:n], stored[:n], validator[:n], 1.0, top_p, dtype="bfloat16")
+        assert verdict.passed, (n, verdict.reasons)
+        assert verdict.numbers["mean_signed_logprob_diff"] == pytest.approx(signed / n, rel=1e-5)
+
+
+def test_a_forged_two_token_sample_with_true_logprobs_is_still_rejected_by_the_replay():
+    """Short samples keep every other check: two tokens the seed does not give, with the true logprobs (so the
+    sampling check passes), fail the replay."""
+    logits, seed = _logits(n=2, vocab=50, seed=12, spread=1.0), 40
+    noisy = logits + gumbel_noise([seed, seed], [0, 1], 50)
+    tokens = noisy.argmin(-1)  # the seed's least likely choice at each position
+    stored = _vllm_processed(logits, 1.0, 1.0).gather(1, tokens[:, None])[:, 0].numpy()
+    assert check_sampling(tokens.tolist(), stored, logits, 1.0, 1.0).passed
+    (replayed,) = check_replay_batch([(tokens, logits, seed)], 1.0, 1.0)
+    assert not replayed.passed and replayed.numbers["off_seed_tokens"] == 2, replayed.numbers
