@@ -1,8 +1,14 @@
 """Install with `pip install -e .[all] -c constraints.txt` (see the Makefile)."""
 
 import os
+import re
+from collections.abc import Mapping
 
 from setuptools import find_packages, setup
+
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+JAX_VARIANTS = ("cpu", "cuda12", "cuda13", "tpu")
+CUDA13_DRIVER = 580  # the oldest NVIDIA driver (major version) that runs CUDA 13 wheels
 
 
 def _has_cuda() -> bool:
@@ -13,7 +19,44 @@ def _has_cuda() -> bool:
     forced = os.environ.get("INTELLECT_VLLM", "").lower()
     if forced in ("cuda", "cpu"):
         return forced == "cuda"
-    return os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia/version")
+    return os.path.exists("/dev/nvidia0") or os.path.exists(NVIDIA_DRIVER)
+
+
+def nvidia_driver_major(version_file: str = NVIDIA_DRIVER) -> int | None:
+    """The NVIDIA kernel driver's major version (580 for 580.65.06), None without a driver."""
+    try:
+        text = open(version_file).read()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+)\.", text)
+    return int(found.group(1)) if found else None
+
+
+def jax_variant(env: Mapping[str, str] = os.environ, driver: int | None | bool = False) -> str:
+    """Which jax build the `trainer` extra installs: cpu, cuda12, cuda13 or tpu.
+
+    INTELLECT_JAX=cpu|cuda12|cuda13|tpu overrides the guess (a container build without a visible GPU; TPU VMs,
+    which `scripts/tpu/pod.py` installs itself). The guess: an NVIDIA driver means CUDA, 13 from driver 580 on
+    (12 before), no driver means cpu. `driver` is the driver's major version (None: no driver; False: read it
+    from /proc/driver/nvidia/version).
+    """
+    forced = env.get("INTELLECT_JAX", "").lower()
+    if forced:
+        if forced not in JAX_VARIANTS:
+            raise ValueError(f"INTELLECT_JAX={forced!r}: choose one of {', '.join(JAX_VARIANTS)}")
+        return forced
+    driver = nvidia_driver_major() if driver is False else driver
+    if driver is None:
+        return "cpu"
+    return "cuda13" if driver >= CUDA13_DRIVER else "cuda12"
+
+
+def jax_requirement(pin: str, variant: str) -> str:
+    """`pin` ("jax==X") with the variant's extra: jax[cuda12]==X pulls the CUDA plugin, jax[tpu]==X libtpu."""
+    return pin if variant == "cpu" else pin.replace("jax==", f"jax[{variant}]==", 1)
+
+
+JAX = "jax==0.10.2"  # constraints.txt pins jax and jaxlib; the CUDA/TPU plugins follow jax's extra
 
 
 BASE = [
@@ -29,7 +72,7 @@ BASE = [
 ]
 WANDB = ["wandb>=0.19"]  # optional Weights & Biases logging (run.wandb_mode); imported only when enabled
 TRAINER = [
-    "jax==0.10.2",
+    JAX if jax_variant() == "cpu" else jax_requirement(JAX, jax_variant()),
     "flax==0.12.8",
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
@@ -67,21 +110,22 @@ DEV = [
     "ruff>=0.15",  # lint and format (make test runs both)
 ] + POSTGRES  # the PostgreSQL test runs where a server binary exists
 
-setup(
-    name="intellect-jax",
-    version="0.1.0",
-    description="Decentralized asynchronous RL for language models with a JAX learner (INTELLECT-2 rebuilt)",
-    python_requires=">=3.11,<3.13",
-    packages=find_packages(include=["jax_trainer*", "gpu_workers*", "bridge*", "orchestrator*", "intellect*"]),
-    install_requires=BASE,
-    extras_require={
-        "trainer": TRAINER + WANDB,
-        "wandb": WANDB,
-        "worker": WORKER,
-        "orchestrator": ORCHESTRATOR,
-        "postgres": POSTGRES,
-        "dev": DEV,
-        "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV,
-    },
-    entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
-)
+if __name__ == "__main__":  # pip and setuptools run this file as __main__; tests import its functions
+    setup(
+        name="intellect-jax",
+        version="0.1.0",
+        description="Decentralized asynchronous RL for language models with a JAX learner (INTELLECT-2 rebuilt)",
+        python_requires=">=3.11,<3.13",
+        packages=find_packages(include=["jax_trainer*", "gpu_workers*", "bridge*", "orchestrator*", "intellect*"]),
+        install_requires=BASE,
+        extras_require={
+            "trainer": TRAINER + WANDB,
+            "wandb": WANDB,
+            "worker": WORKER,
+            "orchestrator": ORCHESTRATOR,
+            "postgres": POSTGRES,
+            "dev": DEV,
+            "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV,
+        },
+        entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
+    )

@@ -87,6 +87,7 @@ COMMANDS = (
         module="intellect.plan_cli",
         takes_config=True,
     ),
+    Command("doctor", "which backend and devices JAX and torch will use here", module="intellect.doctor"),
 )
 _BY_NAME = {cmd.name: cmd for cmd in COMMANDS}
 
