@@ -116,6 +116,7 @@ def non_default_config(tmp_path: Path) -> Config:
     # what a node must reach: its orchestrator (not called here) and a rollout store it can open
     w["orchestrator_url"] = values["validator"]["orchestrator_url"] = "http://127.0.0.1:9"
     w["store_url"] = str(tmp_path / "store")
+    values["validator"]["device"] = "cpu"  # a device every machine has (the default is "auto")
     values["run"]["dir"] = tmp_path / "run"
     cfg = Config(**values)
     path = tmp_path / "everything.toml"
