@@ -43,6 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg, "validator")
+    from gpu_workers.prefill import resolve_device
+    from intellect.config import ConfigError
+
+    try:  # a GPU the machine lacks is a config error, printed as one (the Validator checks it again)
+        resolve_device(cfg.validator.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
     from gpu_workers.node import NodeBanned, NodeRefused
     from gpu_workers.rewards import code

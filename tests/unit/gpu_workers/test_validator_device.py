@@ -56,6 +56,17 @@ def test_an_explicit_gpu_on_a_machine_without_one_stops_the_validator_naming_the
     assert not (tmp_path / "v.key").exists()  # refused before anything else was set up
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
+def test_the_validator_command_prints_it_as_a_config_error(tmp_path, capsys):
+    from intellect import cli
+
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(f'[run]\ndir = "{tmp_path / "run"}"\n')
+    assert cli.main(["validator", str(recipe), "--validator.device", "cuda:1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "validator.device = 'cuda:1'" in err and "Traceback" not in err
+
+
 def test_batch_tokens_follow_the_free_memory():
     qwen_0_5b = dict(hidden=896, intermediate=4864, heads=14, vocab=151936, max_len=1536, dtype_bytes=2)
     # per token, by hand: 2 B x (6 x 896 + 3 x 4864 + 14 x 1536) + 151936 x (2 + 4) B = 82,944 + 911,616 B
