@@ -108,10 +108,10 @@ class Engine:
         try:
             self.capture = ProofCapture(self.llm)
         except ValueError as err:  # no hook that survives compilation: fall back to an eager engine
+            self._shutdown_llm()
             if self.eager:
                 raise
             log.warning("engine: %s; restarting vLLM with enforce_eager=True (no CUDA graphs or compilation)", err)
-            self._shutdown_llm()
             self.eager = True
             self.llm = self._start_llm(True)
             self.capture = ProofCapture(self.llm)
