@@ -188,7 +188,7 @@ def policy_loss(
     kept_lens = sample_sums(keep, segment_ids)
     neg, pos = advantages < 0, advantages > 0
     kind = config.policy_loss
-    zero = jnp.zeros_like(mask)
+    never = jnp.zeros(mask.shape, bool)
     if kind in ("grpo", "dr_grpo"):
         surr1 = advantages * jnp.where(neg, jnp.minimum(ratio, config.delta), ratio)
         surr2 = advantages * jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
@@ -199,11 +199,11 @@ def policy_loss(
         seq_ratio = jnp.exp(sample_sums(keep * (logprobs - old), segment_ids) / jnp.maximum(kept_lens, 1.0))
         low, high = 1.0 - config.gspo_eps_low, 1.0 + config.gspo_eps_high
         per_token = -jnp.minimum(advantages * seq_ratio, advantages * jnp.clip(seq_ratio, low, high))
-        clip_low, clip_high, clip_delta = neg & (seq_ratio < low), pos & (seq_ratio > high), zero > 0
+        clip_low, clip_high, clip_delta = neg & (seq_ratio < low), pos & (seq_ratio > high), never
     elif kind == "cispo":
         cap = 1.0 + config.cispo_eps_high
         per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * advantages * logprobs
-        clip_low, clip_high, clip_delta = zero > 0, ratio > cap, zero > 0
+        clip_low, clip_high, clip_delta = never, ratio > cap, never
     else:
         raise ValueError(f"loss.policy_loss {kind!r} is not one of grpo, dr_grpo, gspo, cispo")
     if config.tis_cap is not None:

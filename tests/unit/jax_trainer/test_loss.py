@@ -9,7 +9,7 @@ import pytest
 
 from jax_trainer.advantages import group_advantages
 from jax_trainer.config import LossConfig
-from jax_trainer.loss import batch_loss, policy_loss, sample_sums, token_logprobs
+from jax_trainer.loss import batch_loss, loss_denominator, policy_loss, sample_sums, token_logprobs
 
 jax.config.update("jax_enable_x64", False)
 
@@ -281,3 +281,25 @@ def test_kl_gradient_flows_and_corrections_need_inference_logprobs():
     for config in (LossConfig(tis_cap=2.0), LossConfig(mismatch="seq_mask")):
         with pytest.raises(ValueError, match="no inference logprobs"):
             policy_loss(lp, lp, jnp.zeros((1, 2)), mask, seg, config)
+
+
+@pytest.mark.parametrize("name", ["seq_mask", "gspo", "dr_grpo"])
+def test_micro_batches_add_up_to_the_whole_batch(name):
+    """What the train step does: numerators and sums added over micro-batches, then divided by D once, give the
+    loss of the whole batch as one (the denominators count kept tokens/samples of every micro-batch)."""
+    s = CASES[name]
+    rng = np.random.default_rng(5)
+    mask, seg, adv = _packed(rng, rows=4, seq=12)
+    lp = (-rng.random(mask.shape) * 3).astype(np.float32)
+    old = (lp + rng.normal(0, 0.3, lp.shape)).astype(np.float32)
+    inf = (old + rng.normal(0, 0.3, lp.shape)).astype(np.float32)
+    whole, _ = batch_loss(*map(jnp.asarray, (lp, old, adv, mask, seg)), s, inference_logprobs=jnp.asarray(inf))
+    parts = [
+        policy_loss(*(jnp.asarray(x[h]) for x in (lp, old, adv, mask, seg)), s, inference_logprobs=jnp.asarray(inf[h]))
+        for h in (slice(0, 2), slice(2, 4))
+    ]
+    summed = {k: parts[0][1][k] + parts[1][1][k] for k in ("norm_tokens", "norm_samples")}
+    np.testing.assert_allclose(
+        float((parts[0][0] + parts[1][0]) / loss_denominator(s, summed)), float(whole), rtol=1e-5
+    )
+    assert float(parts[0][0] / loss_denominator(s, parts[0][1])) != pytest.approx(float(whole), rel=1e-3)
