@@ -73,6 +73,9 @@ class Completion:
     """TOPLOC proofs of `hidden` in bf16 (258 bytes per chunk of 32 rows)."""
     request_id: str = ""
     """The engine's id of the request that generated it."""
+    full_logprobs: np.ndarray | None = None
+    """float32 [n]: each token's logprob on the full distribution, before top-k/top-p (set by the engine where the
+    replayable sampler recorded the kept mass; None with vLLM's own sampler)."""
 
 
 class _Recorder:

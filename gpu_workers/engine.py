@@ -4,8 +4,10 @@
 directory (a policy version exported by the learner; `config` is the `[worker]` section) and attaches
 `ProofCapture`. `generate` runs one request per sample, each
 with its own seed, and returns completion tokens, the sampled tokens' logprobs under the real sampling
-distribution (`logprobs_mode="processed_logprobs"`: temperature and top-p applied, what importance weights
-and the validator's sampling check need), finish reasons and proofs.
+distribution (`logprobs_mode="processed_logprobs"`: temperature and top-p applied, what the validator's
+sampling check needs) and, with the replayable sampler, on the full distribution at the temperature
+(`full_logprobs`, what the learner's importance ratios need: top-p renormalises the processed ones over the
+kept mass), finish reasons and proofs.
 
 `swap(new_dir, version)` loads a new version's weights into the running engine (`reload_weights`), re-packs a
 tied LM head (on CPU vLLM packs linear weights into oneDNN handles; without this the logits are silently
@@ -207,19 +209,22 @@ class Engine:
         return completions
 
     def _check_replayed(self, completions: list[Completion]) -> None:
-        """Every returned token is the one the replayable sampler chose at its position (nothing else sampled)."""
+        """Every returned token is the one the replayable sampler chose at its position (nothing else sampled);
+        sets each completion's `full_logprobs` (its logprobs plus the log kept mass the sampler recorded)."""
         from gpu_workers import vllm_sampler
 
-        chosen: dict[tuple[str, int], int] = {}
-        for rid, position, token in self.llm.collective_rpc(vllm_sampler.drain)[0]:
-            chosen[(rid.rsplit("-", 1)[0], position)] = token
+        chosen: dict[tuple[str, int], tuple[int, float]] = {}
+        for rid, position, token, log_kept in self.llm.collective_rpc(vllm_sampler.drain)[0]:
+            chosen[(rid.rsplit("-", 1)[0], position)] = (token, log_kept)
         for c in completions:
-            wrong = [j for j, t in enumerate(c.tokens) if chosen.get((c.request_id, j)) != t]
+            picks = [chosen.get((c.request_id, j), (None, 0.0)) for j in range(len(c.tokens))]
+            wrong = [j for j, (t, (pick, _)) in enumerate(zip(c.tokens, picks)) if pick != t]
             if wrong:
                 raise RuntimeError(
                     f"replayable sampler: request {c.request_id}: tokens at positions {wrong[:5]} "
                     "are not the sampler's choices (is another sampler installed?)"
                 )
+            c.full_logprobs = c.logprobs + np.array([kept for _, kept in picks], np.float32)
 
     def _generate_without_proofs(self, prompts: list[list[int]], params) -> list[Completion]:
         import torch

@@ -249,6 +249,11 @@ class Worker:
             rewards=rewards,
             proofs=[b"".join(o.proofs) for o in outs],
             target_lens=targets,
+            full_logprobs=(  # recorded by the replayable sampler: the learner's ratios need them under top-p
+                [np.concatenate([np.zeros(len(o.prompt_tokens), np.float32), o.full_logprobs]) for o in outs]
+                if all(o.full_logprobs is not None for o in outs)
+                else None
+            ),
         )
         new_tokens = int(sum(len(o.tokens) for o in outs))
         st = self.stats

@@ -383,7 +383,7 @@ class RolloutPipeline:
                     Rollout(
                         b.sample_tokens(i),
                         int(b.prompt_lens[i]),
-                        b.sample_logprobs(i),
+                        b.sample_ratio_logprobs(i),  # full-distribution logprobs where the worker recorded them
                         float(item.rewards[i]),
                         groups + int(local[i]),
                         int(b.meta.version),

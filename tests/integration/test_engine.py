@@ -39,6 +39,28 @@ def test_generation_is_seeded_and_carries_proofs(engine_and_models):
         assert c.finish in (0, 1) and (c.finish == 0) == (len(c.tokens) < 40)
 
 
+def test_top_p_completions_carry_full_distribution_logprobs(engine_and_models):
+    """At top_p 0.9 the processed logprobs are renormalised over the nucleus; `full_logprobs` (processed + the
+    sampler's log kept mass) equal the full-distribution logprobs of the same weights in transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine, model_dir, _ = engine_and_models
+    prompts, temperature = [[5, 6, 7, 8], [9, 10, 11]], 0.8
+    outs = engine.generate(prompts, [21, 22], temperature=temperature, top_p=0.9, max_tokens=24)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    gaps = []
+    for prompt, c in zip(prompts, outs):
+        seq = torch.tensor([prompt + c.tokens])
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(seq).logits[0, len(prompt) - 1 : -1].double() / temperature, -1)
+        full = logp.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0].numpy()
+        np.testing.assert_allclose(c.full_logprobs, full, atol=2e-3)
+        assert np.all(c.full_logprobs <= c.logprobs + 1e-4)
+        gaps.append(c.logprobs - full)
+    assert np.mean(np.concatenate(gaps)) > 0.02  # uncorrected, every ratio against the engine is off by this
+
+
 def test_swap_is_checked_against_a_fresh_engine_and_a_broken_swap_is_caught(engine_and_models, monkeypatch):
     import gpu_workers.engine as engine_module
     from gpu_workers.engine import SwapError
