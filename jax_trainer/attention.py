@@ -19,8 +19,8 @@ Implementations (`[model] attention`, `IMPLEMENTATIONS`):
   gradient of the same shape that nothing uses; `benchmarks/accelerator.py` measures the step.
 - `splash`: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU only: a causal
   mask plus `SegmentIds`, so segments cost nothing beyond the ids; grouped-query heads run as one MQA kernel per
-  KV head (`make_splash_mqa_single_device`, vmapped over batch and KV heads). seq must be a multiple of the
-  block (`splash_block`).
+  KV head (`make_splash_mqa_single_device`, vmapped over batch and KV heads), inside a `shard_map` under a
+  mesh. seq must be a multiple of 128.
 - `auto`: `splash` on TPU, `cudnn` on GPU when the compute dtype is bfloat16/float16 (cuDNN has no float32
   flash kernel), `xla` otherwise.
 """
@@ -31,8 +31,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_trainer import kernels
+from jax_trainer.sharding import logical_to_spec
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
 XLA_BLOCK = 128  # queries per block of `kernels.causal_attention`; key blocks after the block are skipped
@@ -142,6 +144,25 @@ def _splash_kernel(s: int, group: int, block: int, interpret: bool):
 
 
 def _splash(q, k, v, segment_ids, interpret):
+    """Splash per device: under a mesh (`jax.set_mesh`), inside a `shard_map` over the activations' shardings
+    (a Pallas kernel is not partitioned by XLA); heads stay split only where the KV heads split alike."""
+    mesh = jax.sharding.get_abstract_mesh()
+    local = functools.partial(_splash_local, interpret=interpret)
+    if mesh.empty:
+        return local(q, k, v, segment_ids)
+    q_spec = logical_to_spec(("batch", "length", "act_heads", None), q.shape, mesh)
+    kv_spec = logical_to_spec(("batch", "length", "act_kv_heads", None), k.shape, mesh)
+    if q_spec[1] is not None:
+        raise ValueError(f"attention 'splash' runs whole sequences per device; the length axis is sharded {q_spec}")
+    if q_spec[2] != kv_spec[2]:  # a shard's query heads would not be the ones its KV heads serve
+        q_spec, kv_spec = P(q_spec[0], None, None, None), P(kv_spec[0], None, None, None)
+    per_device = jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], None)), out_specs=q_spec, check_vma=False
+    )
+    return per_device(q, k, v, segment_ids)
+
+
+def _splash_local(q, k, v, segment_ids, interpret):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     b, s, n, d = q.shape

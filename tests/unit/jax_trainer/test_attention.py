@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jax_trainer import attention as attn
+from jax_trainer.sharding import make_mesh
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 3e-2}  # max |error| relative to the reference's largest |value|
@@ -108,9 +109,11 @@ def _small_xla_blocks(monkeypatch):
 
 @pytest.mark.parametrize("name,seq", KERNELS)
 def test_bfloat16_values_match_reference(name, seq):
+    """Under a mesh that splits the batch over two devices, as the learner runs (splash: inside its shard_map)."""
     q, k, v, segments = _inputs(seq, jnp.bfloat16)
     run = jax.jit(lambda q, k, v, s: _run(name, q, k, v, s))
-    out = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(segments))
+    with jax.set_mesh(make_mesh(fsdp=2, devices=jax.devices()[:2])):
+        out = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), jnp.asarray(segments))
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     _check(out, _reference(q, k, v, segments), jnp.bfloat16, f"{name} bfloat16")
 
@@ -131,7 +134,7 @@ def test_float32_values_and_gradients_match_reference(name, seq):
 
     out, got = values_and_grads(q, k, v)
     _check(out, _reference(q64, k64, v64, segments64), jnp.float32, f"{name} float32")
-    want = jax.vjp(lambda q, k, v: _naive(q, k, v, segments), q, k, v)[1](weights)
+    want = jax.jit(lambda q, k, v: jax.vjp(lambda q, k, v: _naive(q, k, v, segments), q, k, v)[1](weights))(q, k, v)
     for part, g, w in zip("qkv", got, want):
         _check(g, np.asarray(w, np.float64), jnp.float32, f"{name} d{part}")
 
