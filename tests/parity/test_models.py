@@ -187,3 +187,57 @@ def test_tiny_llama3_variant_exercises_all_three_rope_bands(tiny_model):
     kept = np.isclose(scaled, plain)
     divided = np.isclose(scaled, plain / cfg.rope.factor)
     assert kept.any() and divided.any() and (~kept & ~divided).any()
+
+
+def test_init_random_draws_each_kind_of_parameter_like_transformers():
+    """The std of each kind of parameter of a fresh model equals that of transformers' `_init_weights` for the
+    same config (a non-default initializer_range): embedding and projections normal(0, range), norms ones,
+    biases zeros. Values need not match (different generators), distributions must."""
+    from transformers import AutoConfig
+
+    from jax_trainer.models import init_random
+
+    hf_config = {
+        "model_type": "qwen2",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.05,
+    }
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_config))
+    kinds = {
+        "embed": "embed_tokens.weight",
+        "head": "lm_head.weight",
+        "mlp": "mlp.",
+        "attention": "proj.weight",
+        "norm": "norm.weight",
+        "bias": ".bias",
+    }
+
+    def kind(name):
+        return next(k for k, marker in kinds.items() if marker in name)
+
+    def stats(named):
+        groups = {}
+        for name, value in named:
+            groups.setdefault(kind(name), []).append(np.asarray(value, np.float64).ravel())
+        return {k: (float(np.concatenate(v).mean()), float(np.concatenate(v).std())) for k, v in groups.items()}
+
+    theirs = stats((n, p.detach().numpy()) for n, p in hf.named_parameters())
+    model = init_random(ModelConfig.from_hf(hf_config), mesh=_one_device(), seed=5)
+    names = {"q_proj": "attn.q_proj.weight", "k_proj": "attn.k_proj.weight", "v_proj": "attn.v_proj.weight"}
+    names |= {"o_proj": "attn.o_proj.weight", "embed": "embed_tokens.weight", "lm_head": "lm_head.weight"}
+    ours = stats(
+        (names.get(str(path[-1]), ".".join(map(str, path)).replace("_bias", ".bias")), var.get_value())
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    )
+    assert set(ours) == set(theirs) == set(kinds)
+    assert theirs["norm"] == (1.0, 0.0) and theirs["bias"] == (0.0, 0.0)
+    for k, (mean, std) in theirs.items():
+        assert abs(ours[k][0] - mean) <= 0.01 * max(std, 1e-3), (k, ours[k], (mean, std))
+        assert abs(ours[k][1] - std) <= 0.02 * std, (k, ours[k], (mean, std))
