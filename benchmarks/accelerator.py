@@ -15,13 +15,13 @@ Stages (full size on one GPU; `--small` runs the same code at a tiny shape on th
   (no segment mask), whose time against the masked call is the cost of keeping packed samples apart.
 - `grpo_jax_0.5b`, `grpo_jax_0.5b_4layers`, `grpo_jax_1.5b`: `init_random` (timed), `export_hf` to a temp
   directory, `load_hf` from it (timed, page cache warm), then `GRPOTrainer.step` (float32 parameters, bfloat16
-  compute, no remat, pi_old from the batch's inference logprobs so a step is one forward, one backward, one
-  AdamW update, as in `benchmarks/train_step.py`): first step (compile) time, steady-state step time,
-  tokens/s, model TFLOP/s (`train_step.flops_per_token`), MFU against the nominal peak (`NOMINAL_TFLOPS`,
-  keyed by device name), peak device memory. Qwen2.5-0.5B shape at 16 x 2048 (the 4-layer variant: the same
-  at 4 layers, for the compile time against depth), Qwen2.5-1.5B at 8 x 2048.
-- `grpo_torch_0.5b`, `grpo_torch_1.5b`: the same step in eager PyTorch: HF Qwen2 (sdpa), bf16 autocast,
-  float32 parameters, chunked LM head (no [batch, seq, vocab] logits held), fused AdamW on CUDA.
+  compute (float32 in small mode), no remat, pi_old from the batch's inference logprobs so a step is one
+  forward, one backward, one AdamW update, as in `benchmarks/train_step.py`): first step (compile) time,
+  steady-state step time, tokens/s, model TFLOP/s (`train_step.flops_per_token`), MFU against the nominal peak
+  (`NOMINAL_TFLOPS`, keyed by device name), peak device memory. Qwen2.5-0.5B shape at 16 x 2048 (the 4-layer
+  variant: the same at 4 layers, for the compile time against depth), Qwen2.5-1.5B at 8 x 2048.
+- `grpo_torch_0.5b`, `grpo_torch_1.5b`: the same step in eager PyTorch: HF Qwen2 (sdpa), bf16 autocast (none
+  in small mode), float32 parameters, chunked LM head (no [batch, seq, vocab] logits held), fused AdamW on CUDA.
 - `logits`: JAX (`load_hf`) against transformers on the same random 0.5B-shaped checkpoint, 2 x 512 tokens on
   the device: float32 error relative to the logit scale, and the bfloat16 error beside the measured floor
   (transformers bf16 against transformers float32).
@@ -314,6 +314,12 @@ def attention_stage(small: bool) -> dict:
     return out
 
 
+def _compute_dtype(small: bool) -> str:
+    """bfloat16 on the accelerator; float32 in small mode, as the CPU recipes (XLA:CPU emulates bf16 and cannot
+    run every bf16 x bf16 -> f32 dot of the step)."""
+    return "float32" if small else "bfloat16"
+
+
 def _grpo_jax(shape: str, small: bool) -> dict:
     import jax
     import jax.numpy as jnp
@@ -328,16 +334,17 @@ def _grpo_jax(shape: str, small: bool) -> dict:
     s = _shape(shape, small)
     hf = _hf_config(s)
     mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
-    out = {"shape": vars(s), "attention": attention.resolve("auto", jnp.bfloat16)}
+    compute = _compute_dtype(small)
+    out = {"shape": vars(s), "compute_dtype": compute, "attention": attention.resolve("auto", jnp.dtype(compute))}
     t0 = time.perf_counter()
-    model = init_random(ModelConfig.from_hf(hf), mesh=mesh, param_dtype="float32", compute_dtype="bfloat16")
+    model = init_random(ModelConfig.from_hf(hf), mesh=mesh, param_dtype="float32", compute_dtype=compute)
     jax.block_until_ready(nnx.state(model))
     out["init_random_s"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory(prefix="accelerator-model-") as tmp:
         export_hf(model, tmp, version=0, hf_config=hf, dtype="float32", fsync=False)
         del model
         t0 = time.perf_counter()
-        model = load_hf(tmp, mesh=mesh, param_dtype="float32", compute_dtype="bfloat16", verify=False)
+        model = load_hf(tmp, mesh=mesh, param_dtype="float32", compute_dtype=compute, verify=False)
         jax.block_until_ready(nnx.state(model))
         out["load_hf_s"] = time.perf_counter() - t0
 
@@ -392,6 +399,7 @@ def _grpo_torch(shape: str, small: bool) -> dict:
         "shape": vars(s),
         "init_s": time.perf_counter() - t0,
         "attn_implementation": model.config._attn_implementation,
+        "compute_dtype": _compute_dtype(small),
     }
     model.train()
     opt = torch.optim.AdamW(
@@ -407,12 +415,12 @@ def _grpo_torch(shape: str, small: bool) -> dict:
     chunk = 512
 
     def chunk_logprobs(h, weight, targets):
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not small):
             logits = (h @ weight.t()).float()
         return logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
 
     def run_step():
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=not small):
             hidden = model.model(input_ids=tokens).last_hidden_state[:, :-1]
         targets = tokens[:, 1:]
         # the LM head chunk by chunk, recomputed in the backward pass: no [batch, seq, vocab] logits held
