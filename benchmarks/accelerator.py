@@ -448,7 +448,7 @@ def _grpo_torch(shape: str, small: bool) -> dict:
         opt.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
-        return float(loss)
+        return float(loss.detach())
 
     t0 = time.perf_counter()
     out["loss"] = run_step()
