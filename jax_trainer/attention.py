@@ -89,12 +89,17 @@ def attention(
     if segment_ids.shape != (b, s):
         raise ValueError(f"attention: segment_ids {segment_ids.shape} must be [batch, seq] = {(b, s)}")
     impl = resolve(implementation, q.dtype)
+    backend = jax.default_backend()
     if impl == "xla":
         return _xla(q, k, v, segment_ids)
     if impl == "cudnn":
         if q.dtype not in map(jnp.dtype, CUDNN_DTYPES):
             raise ValueError(f"attention 'cudnn' needs bfloat16 or float16 inputs, got {q.dtype}; use 'xla' or 'auto'")
+        if backend != "gpu":
+            raise ValueError(f"attention 'cudnn' needs a GPU, this backend is {backend}; use 'xla' or 'auto'")
         return dot_product(q, k, v, segment_ids, "cudnn")
+    if backend != "tpu" and not interpret:
+        raise ValueError(f"attention 'splash' needs a TPU, this backend is {backend}; use 'xla' or 'auto'")
     return _splash(q, k, v, segment_ids, interpret)
 
 

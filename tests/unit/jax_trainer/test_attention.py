@@ -155,6 +155,11 @@ def test_bad_names_shapes_and_dtypes_are_refused():
         attn.attention(q, k, k, seg, "flash")
     with pytest.raises(ValueError, match="'cudnn' needs bfloat16 or float16 inputs, got float32"):
         attn.attention(q, k, k, seg, "cudnn")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="'cudnn' needs a GPU, this backend is cpu"):
+            attn.attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16), seg, "cudnn")
+        with pytest.raises(ValueError, match="'splash' needs a TPU, this backend is cpu"):
+            attn.attention(q, k, k, seg, "splash")
     with pytest.raises(ValueError, match=r"segment_ids \(1, 7\) must be \[batch, seq\]"):
         attn.attention(q, k, k, seg[:, :7], "xla")
     with pytest.raises(ValueError, match="heads a multiple of kv_heads"):
