@@ -158,6 +158,25 @@ def test_one_optimizer_step_per_batch_takes_pi_old_from_its_own_forward():
     assert compiled.cost_analysis()["flops"] > 1.2 * compiled_inf.cost_analysis()["flops"]
 
 
+def test_a_sequence_mask_in_the_step_drops_the_mismatched_sample_and_reports_it():
+    """`loss.mismatch = "seq_mask"` with pi_old recomputed: the engine's logprobs equal the learner's (numpy)
+    except one sample's, 0.1 lower per token; the step drops exactly that sample and its metrics say so."""
+    mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
+    packed = InMemorySource(rollouts, rows=2, seq_len=64, multiple_of=2, async_level=10).next(0).packed
+    model = init_random(CFG, mesh=mesh, seed=0)
+    engine = _numpy_logprobs(model, packed, LossConfig().temperature) * packed.loss_mask
+    target = (packed.segment_ids == 1) & (packed.loss_mask > 0)
+    target[1:], target[0, 1:] = False, False  # only the first sample of the first row of the first micro-batch
+    engine[target] -= 0.1  # its sequence ratio pi_old / pi_engine is exp(0.1 n) > 1.5 for n >= 5 tokens
+    assert target.sum() >= 5
+    loss = LossConfig(logprob_source="recompute", mismatch="seq_mask", mismatch_low=0.67, mismatch_high=1.5)
+    trainer, state = make_trainer(mesh, loss=loss)
+    batch = dataclasses.replace(packed, inference_logprobs=engine.astype(np.float32))
+    _, metrics = trainer.step(state, trainer.device_batch(batch))
+    assert float(metrics["mismatch_masked_frac"]) == pytest.approx(target.sum() / packed.loss_mask.sum(), rel=1e-6)
+    assert float(metrics["mismatch_masked_sample_frac"]) == pytest.approx(1 / packed.num_samples, rel=1e-6)
+
+
 def test_save_restore_continue_is_bitwise_equal_to_straight_training(tmp_path):
     mesh = make_mesh(fsdp=4, tensor=2)
 
