@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The accelerator benchmark on a lent GPU machine (stock CUDA image: jax, flax, optax, torch, transformers are
-# there; pydantic and zstandard are not, so they travel as wheels in the ignored folder .whl/).
+# there; pydantic, zstandard and the signing libraries are not, so they travel as wheels in the ignored folder
+# .whl/).
 #
 #   here, once:        bash benchmarks/accelerator_device.sh fetch
 #                      (downloads this venv's versions of WHEELS for CPython 3.12 x86-64 into .whl/, ignored)
@@ -11,7 +12,8 @@
 # to $OUT (the device tool's output folder; runs/accelerator here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(pydantic pydantic-core annotated-types typing-inspection pydantic-settings python-dotenv zstandard)
+WHEELS=(pydantic pydantic-core annotated-types typing-inspection pydantic-settings python-dotenv zstandard
+    cryptography cffi pycparser pynacl)
 
 if [ "${1:-}" = fetch ]; then
     grep -qxF '/.whl/' .git/info/exclude || echo '/.whl/' >>.git/info/exclude
