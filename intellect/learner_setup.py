@@ -6,6 +6,7 @@ config turns into a mesh and a model.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from intellect.config import Config
@@ -50,6 +51,7 @@ def load_base(cfg: Config, path: str | Path, mesh):
         remat=m.remat,
         scan_layers=m.scan_layers,
         scan_unroll=m.scan_unroll,
+        attention=m.attention,
     )
 
 
@@ -57,5 +59,5 @@ def abstract_from_hf_config(cfg: Config, hf_config: dict):
     from jax_trainer.models import ModelConfig, abstract_model
 
     m = cfg.model
-    model_cfg = ModelConfig.from_hf(hf_config)
+    model_cfg = dataclasses.replace(ModelConfig.from_hf(hf_config), attention=m.attention)
     return abstract_model(model_cfg, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll)

@@ -142,14 +142,15 @@ def load_hf(
     verify: bool = True,
     scan_layers: bool = True,
     scan_unroll: int = 1,
+    attention: str = "auto",
 ) -> Decoder:
     """A `Decoder` holding a Hugging Face checkpoint's weights, sharded over `mesh` (default: all devices, fsdp).
 
     Nothing is compiled: the model's structure comes from `nnx.eval_shape`, and each array is built from the
     checkpoint's memory maps straight into its sharding (`jax_trainer.export.load_params`), the layers' tensors
-    stacked into their layer axis on the host.
+    stacked into their layer axis on the host. `attention` is the attention kernel (`ModelConfig.attention`).
     """
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = dataclasses.replace(ModelConfig.from_dir(model_dir), attention=attention)
     mesh = mesh if mesh is not None else make_mesh()
     abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll)
     arrays = load_params(

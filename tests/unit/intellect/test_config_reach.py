@@ -182,8 +182,10 @@ def test_every_field_reaches_the_component_that_uses_it(tmp_path, tiny_model):
 
     assert np.dtype(model.compute_dtype).name == cfg.model.compute_dtype and model.remat == cfg.model.remat
     assert model.scan_layers == cfg.model.scan_layers and model.scan_unroll == cfg.model.scan_unroll
+    assert model.layers.attn.cfg.attention == cfg.model.attention
     assert {np.dtype(x.dtype).name for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {cfg.model.param_dtype}
     reached |= {"model.param_dtype", "model.compute_dtype", "model.remat", "model.scan_layers", "model.scan_unroll"}
+    reached.add("model.attention")
 
     unread = [
         f"{section}.{field}"
