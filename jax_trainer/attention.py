@@ -15,8 +15,9 @@ Implementations (`[model] attention`, `IMPLEMENTATIONS`):
   bfloat16/float16 only. The public API has no segment ids, so segments go in as its boolean `mask`
   [batch, 1, seq, seq] with `is_causal=True` (cuDNN still skips the blocks above the diagonal); jax turns the
   mask into an additive bias in the compute dtype. Cost of packing: that bias ([batch, seq, seq] in bf16, 128 MiB
-  at 16 x 2048, shared by every layer) is read by each attention call, and cuDNN's backward pass writes a bias
-  gradient of the same shape that nothing uses; `benchmarks/accelerator.py` measures the step.
+  at 16 x 2048) is built from the segment ids and read by each attention call, and cuDNN's backward pass writes
+  a bias gradient of the same shape that nothing uses; `benchmarks/accelerator.py`'s `attention` stage measures
+  the call against cuDNN with `is_causal` alone.
 - `splash`: Pallas splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), TPU only: a causal
   mask plus `SegmentIds`, so segments cost nothing beyond the ids; grouped-query heads run as one MQA kernel per
   KV head (`make_splash_mqa_single_device`, vmapped over batch and KV heads), inside a `shard_map` under a
