@@ -187,6 +187,8 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
         expected = float(bool(text) and text[-1].strip().rstrip(".") == tasks[int(batch.task_ids[i])].answer)
         assert record.rewards[i] == expected == batch.rewards[i]
     assert np.all(batch.logprobs[batch.offsets[0] : batch.offsets[0] + batch.prompt_lens[0]] == 0)
+    # the replayable sampler's kept mass reaches the store: full-distribution logprobs for the learner's ratios
+    assert batch.full_logprobs is not None and np.all(batch.full_logprobs <= batch.logprobs + 1e-4)
 
     # a new version: the workers fetch it and their next batches carry it
     export_version(pool.model_dir, pool.weights, 1, noise=0.02)
