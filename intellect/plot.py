@@ -4,7 +4,7 @@ The roles append one JSON object a line to `RUN_DIR/metrics.jsonl`, each with "r
 - "learner" (jax_trainer/learner.py, one per step): `reward_mean`, `tokens` and `samples_trained` (their ratio is
   the mean completion length of the trained samples: loss-mask tokens per sample), `staleness_mean`,
   `staleness_max`, `staleness_hist` (samples per staleness), `tokens_per_s`, `busy_frac`, `loss`, `pg_loss`
-  and the clip fractions;
+  and the clip fractions (with `loss.mismatch`, the masked fractions);
 - "eval" (`intellect eval --metrics`): held-out pass@1 `accuracy` and `mean_completion_len`;
 - "pool" (the launcher, about every 10 s): cumulative `accepted_batches` and `rejected_batches`;
 - "sft" (`intellect sft`): `loss` and token `accuracy`.
@@ -66,7 +66,13 @@ def charts(window: int) -> tuple[Chart, ...]:
     """The charts `intellect plot` draws, in order (`window`: the steps of the reward's rolling mean)."""
     clips = tuple(
         Line(k, k.removesuffix("_frac").replace("_", " "))
-        for k in ("clip_low_frac", "clip_high_frac", "clip_delta_frac")
+        for k in (
+            "clip_low_frac",
+            "clip_high_frac",
+            "clip_delta_frac",
+            "mismatch_masked_frac",  # loss.mismatch: tokens dropped, and samples (those lines only when set)
+            "mismatch_masked_sample_frac",
+        )
     )
     return (
         Chart(
@@ -235,6 +241,8 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
         "clip_low_frac",
         "clip_high_frac",
         "clip_delta_frac",
+        "mismatch_masked_frac",
+        "mismatch_masked_sample_frac",
     ):
         _column(learner, key, key, out)
     if "reward_mean" in out:
