@@ -8,7 +8,8 @@ Inside one compiled function:
    or the inference engine's logprobs (`logprob_source = "inference"`, which saves a forward pass).
    Reference-policy logprobs the same way when `kl_coef > 0`.
 2. The micro-batches are split into `steps_per_batch` equal groups (INTELLECT-2's `step_per_rollout`); for each
-   group, gradients are accumulated over its micro-batches (`lax.scan`), clipped by global norm, and AdamW
+   group, the loss numerator and its gradients are accumulated over its micro-batches (`lax.scan`), divided
+   by the group's denominator (kept tokens or samples: `jax_trainer.loss`), clipped by global norm, and AdamW
    applies them. A non-finite loss or gradient norm skips that update (parameters and optimizer state stay as
    they were) and is counted in `state.skipped`; nothing non-finite is ever written into the weights.
 
