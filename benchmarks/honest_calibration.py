@@ -8,10 +8,10 @@ larger), temperature 0.6 and 1.0, top-p 1.0 and 0.9; in each setting one batch p
 requests so the worker's batch composition differs from the validator's.
 
 Every sample should be accepted. Besides the counts, the JSON printed reports the worst figures the bounds are
-set against: the largest |stored - recomputed| logprob of one token, the largest |signed mean| difference by
-completion length (1-2 tokens, 3-8, longer), the largest replay gap as a share of the margin, and the most of
-a sample's and a batch's near-tie budget spent; `old_signed_bound_rejections` counts the samples the former
-signed-mean bound (no token forgiven) would have rejected.
+set against: the largest |stored - recomputed| logprob of one token (by dtype and top-p), the largest |signed
+mean| difference by completion length (1-2 tokens, 3-8, longer), the largest replay gap as a share of the
+margin, and the most of a sample's and a batch's near-tie budget spent; `old_signed_bound_rejections` counts
+the samples the former signed-mean bound (no token forgiven) would have rejected.
 
     .venv/bin/python benchmarks/honest_calibration.py --lengths 1:16,2:16,3:8,6:8,24:8,96:4,512:4
 """
@@ -83,7 +83,6 @@ def main() -> int:
     settings, worst = (
         [],
         {
-            "max_logprob_diff": 0.0,
             "signed_mean_by_length": {"1-2": 0.0, "3-8": 0.0, "9+": 0.0},
             "replay_gap_of_margin": 0.0,
             "sample_near_tie_budget_used": 0.0,
@@ -138,9 +137,9 @@ def main() -> int:
                                     n = int(sampling.get("tokens", len(sample.completion_tokens)))
                                     completion_lengths.append(n)
                                     if sampling:
-                                        worst["max_logprob_diff"] = max(
-                                            worst["max_logprob_diff"], sampling["max_logprob_diff"] * temperature
-                                        )
+                                        key = f"max_logprob_diff_{dtype}_top_p_{top_p}"
+                                        scaled = sampling["max_logprob_diff"] * temperature
+                                        worst[key] = max(worst.get(key, 0.0), scaled)
                                         signed = abs(sampling["mean_signed_logprob_diff"]) * temperature
                                         bucket = worst["signed_mean_by_length"]
                                         bucket[_bucket(n)] = max(bucket[_bucket(n)], signed)

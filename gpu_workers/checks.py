@@ -196,9 +196,11 @@ class SamplingTolerance:
     logit_tolerance: float = 0.25
     """Largest difference between the worker's and the validator's raw logits the nucleus check allows
     for: a token counts as inside if changing every logit by at most this much can put it inside."""
-    max_logprob_diff: float = 1.0
-    """Largest |stored - recomputed| logprob for any one token (a token at the nucleus boundary that is in
-    one side's nucleus and not the other's moves that step's renormalisation by up to a few tenths)."""
+    max_logprob_diff: float | None = None
+    """Largest |stored - recomputed| logprob for any one token from rounding (None: `MAX_LOGPROB_DIFF` of the
+    pool's dtype); with top-p < 1, log(1 / top_p) is added (not divided by the temperature): a token at the
+    nucleus boundary that is in one side's nucleus and not the other's moves that step's renormalisation by
+    up to that much."""
     mean_logprob_diff: float | None = None
     """Largest mean |stored - recomputed| logprob over a sample's tokens (None: `MEAN_LOGPROB_DIFF` of the
     pool's dtype), ..."""
@@ -409,6 +411,15 @@ def _computation_verdict(checks: list[ChunkCheck], thresholds: Thresholds) -> Ch
     return CheckVerdict("computation", False, reasons, numbers)
 
 
+MAX_LOGPROB_DIFF = {"float32": 0.05, "float16": 1.0, "bfloat16": 0.75}
+"""Default `SamplingTolerance.max_logprob_diff` per worker dtype (at T = 1, before the top-p boundary term).
+A reported logprob is the denominator of the learner's importance ratio wherever the engine's logprobs are
+used (`loss.logprob_source = "inference"`, TIS), so a worker that moves it within this bound moves that ratio
+by as much. Honest float32 engines agree to rounding far below 0.05; an honest bfloat16 worker reached 0.36
+(benchmarks/honest_calibration.py, 1,024 samples of the tiny flat and peaked policies; 0.16 at hidden 256 with
+Qwen2.5's vocabulary), so bfloat16 keeps 2x room and a shift within it is a residual the validator cannot see
+(docs/verifiable-sampling.md). float16 is not calibrated and keeps the former 1.0."""
+
 MEAN_LOGPROB_DIFF = {"float32": 0.05, "float16": 0.05, "bfloat16": 0.15}
 """Default `SamplingTolerance.mean_logprob_diff` per worker dtype. An honest bfloat16 vLLM worker against a
 bfloat16 transformers validator, 16 samples of 32 tokens at T 1 over a 151,936-token vocabulary, measured
@@ -452,6 +463,8 @@ def check_sampling_batch(
         raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature} and {top_p}")
     if tolerance.mean_logprob_diff is None:
         tolerance = replace(tolerance, mean_logprob_diff=MEAN_LOGPROB_DIFF.get(dtype, MEAN_LOGPROB_DIFF["bfloat16"]))
+    if tolerance.max_logprob_diff is None:
+        tolerance = replace(tolerance, max_logprob_diff=MAX_LOGPROB_DIFF.get(dtype, MAX_LOGPROB_DIFF["bfloat16"]))
     verdicts: list[CheckVerdict | None] = []
     rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for tokens, logprobs, logits in completions:
@@ -731,12 +744,13 @@ def _sampling_verdict(
         )
     scale = 1.0 / temperature  # the bounds are stated at T = 1
     max_diff, mean_diff = tolerance.max_logprob_diff * scale, tolerance.mean_logprob_diff * scale
+    max_diff -= math.log(top_p)  # a token where the two nuclei differ: kept masses within [top_p, 1]
     allowance = tolerance.logprob_diff_allowance * scale
     if diff.max() > max_diff:
         worst = int(diff.argmax())
         reasons.append(
             f"logprob of token {worst}: stored {stored[worst]:.4f}, recomputed {recomputed[worst]:.4f} "
-            f"(max difference {max_diff:.3g} at temperature {temperature})"
+            f"(max difference {max_diff:.3g} at temperature {temperature}, top-p {top_p})"
         )
     # The two mean bounds are about the sample's other tokens: its largest difference is set aside (bounded
     # alone by max_diff above). Honest rounding errors are about independent and centred, so their sum over n
