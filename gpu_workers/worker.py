@@ -37,6 +37,7 @@ from bridge.protocol import Assignment, BatchAnnouncement, OrchestratorError, Po
 from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
+from bridge.shardcast.delta import retained
 from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers.config import DataConfig, WorkerConfig, completion_cap
 from gpu_workers.engine import Engine
@@ -177,11 +178,14 @@ class Worker:
         self._retire()
 
     def _retire(self) -> None:
-        """Delete held versions that are out of the async window, keeping the newest keep_versions."""
+        """Delete held versions that are out of the async window, keeping the newest keep_versions and (with
+        shardcast.keep_anchor) the newest anchor version, the base the next versions' deltas are rebuilt from."""
         floor = self.policy.min_version if self.policy else 0
         running = self.engine.version if self.engine else None
-        for i, v in enumerate(self.held_versions()):
-            if v != running and (i >= self.config.keep_versions or v < floor):
+        held = self.held_versions()
+        anchor = retained(held, 1, self.shardcast.keep_anchor) - {held[0]} if held else set()
+        for i, v in enumerate(held):
+            if v != running and v not in anchor and (i >= self.config.keep_versions or v < floor):
                 shutil.rmtree(self.weights_dir / f"v{v:06d}", ignore_errors=True)
                 log.info("removed version %d (out of the async window or beyond keep_versions)", v)
 

@@ -167,6 +167,7 @@ def _relay(args, config) -> int:
             max_version_bytes=int(sc.max_version_gib * 2**30),
             fsync=sc.fsync,
             pin_url=pin_url,
+            keep_anchor=sc.keep_anchor,
             **_server_limits(sc),
         ),
     )

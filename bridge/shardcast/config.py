@@ -23,6 +23,8 @@ class ShardcastConfig(Section):
     """Upstream servers a relay mirrors (empty: the origin at http://host:port)."""
     keep_versions: int = Field(3, gt=0)
     """Newest policy versions each server keeps; at least trainer.async_level + 1."""
+    keep_anchor: bool = True
+    """Relays and workers also keep the newest anchor version (delta base; at most keep_versions + 1 on disk)."""
     parallel: int = Field(0, ge=0, le=64)
     """Concurrent part downloads of one client or relay, each from any server; 0: one per CPU core, at most 4."""
     part_mib: int = Field(64, gt=0)

@@ -173,6 +173,20 @@ def anchor_before(version: int, every: int = ANCHOR_EVERY) -> int:
     return (version - 1) // every * every
 
 
+def retained(versions: Iterable[int], keep: int, keep_anchor: bool = True, every: int = ANCHOR_EVERY) -> set[int]:
+    """The versions a server or worker holding `versions` keeps: the newest `keep`, and with `keep_anchor` the
+    newest anchor (a version divisible by `every`) among them, the base of the anchor deltas of every version
+    after it, so at most `keep + 1` versions are on disk."""
+    if keep <= 0:
+        raise ValueError(f"retained: keep must be positive, got {keep}")
+    ordered = sorted(set(versions), reverse=True)
+    kept = set(ordered[:keep])
+    anchors = [v for v in ordered if v % every == 0]
+    if keep_anchor and anchors:
+        kept.add(anchors[0])
+    return kept
+
+
 def delta_bases(weights_dir: Path, version: int, every: int = ANCHOR_EVERY) -> list[tuple[int, Path]]:
     """The complete versions in `weights_dir` a new `version` gets deltas against: the newest older one, and the
     newest anchor (a version divisible by `every`) if that is another one."""

@@ -329,9 +329,11 @@ async def serve_relay(
     fsync: bool = True,
     limits: ServerLimits = ServerLimits(),
     pin_url: str | None = None,
+    keep_anchor: bool = True,
 ) -> None:
     """Mirror and serve until cancelled; `ready(url)` is called once the port is bound. `pin_url`: the
-    orchestrator whose announced manifest sha256s the mirror pins (None: trust the upstreams' manifests)."""
+    orchestrator whose announced manifest sha256s the mirror pins (None: trust the upstreams' manifests);
+    `keep_anchor`: keep the newest anchor version beside the newest `keep` (the base of later deltas)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     client_args = {} if max_version_bytes is None else {"max_version_bytes": max_version_bytes}
@@ -349,7 +351,7 @@ async def serve_relay(
     )
     if fsync:
         recover_unsynced(root)
-    store = VersionStore(root, keep=keep, grace_s=grace_s)
+    store = VersionStore(root, keep=keep, grace_s=grace_s, keep_anchor=keep_anchor)
     store.scan()
     _leftovers(root, store.latest)
     server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout, limits=limits)

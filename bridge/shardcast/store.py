@@ -3,7 +3,8 @@
 A `VersionStore` lives on the server's event loop (one thread; no locks). Its states:
 
 - advertised: complete and checked (STABLE, manifest, every file with its size); listed by `/versions`;
-- retiring (relays only): older than the newest `keep` versions, no longer listed but still served, and
+- retiring (relays only): older than the newest `keep` versions (the newest anchor version, the base of the
+  anchor deltas, stays advertised beside them), no longer listed but still served, and
   deleted only once nothing is pinning it (a response being sent) and nobody has touched it for `grace_s`
   seconds, so a client that is between two files of a download does not lose the version under it.
 
@@ -30,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from bridge.shardcast import disk
+from bridge.shardcast.delta import retained
 from bridge.shardcast.errors import ManifestError
 from bridge.shardcast.manifest import Manifest, read_version_dir, version_path
 from bridge.shardcast.names import STABLE_FILE, parse_version_dirname, version_dirname
@@ -58,10 +60,12 @@ class Arriving:
 
 
 class VersionStore:
-    def __init__(self, root: Path, *, keep: int | None = None, grace_s: float = 30.0):
-        """`keep` None: never delete anything (the origin serves the learner's directory as it is)."""
+    def __init__(self, root: Path, *, keep: int | None = None, grace_s: float = 30.0, keep_anchor: bool = True):
+        """`keep` None: never delete anything (the origin serves the learner's directory as it is); `keep_anchor`:
+        also keep the newest anchor version (`bridge.shardcast.delta.retained`), the base of later deltas."""
         self.root = Path(root)
         self.keep = keep
+        self.keep_anchor = keep_anchor
         self.grace_s = grace_s
         self.advertised: dict[int, Manifest] = {}
         self.retiring: dict[int, Manifest] = {}
@@ -210,13 +214,15 @@ class VersionStore:
         self._last_access[version] = time.monotonic()
 
     def prune(self) -> None:
-        """Retire versions beyond the newest `keep`; delete retired ones that are idle (relays only)."""
+        """Retire versions beyond the newest `keep` (but the newest anchor, with `keep_anchor`); delete retired
+        ones that are idle (relays only)."""
         if self.keep is None:
             return
-        for version in sorted(self.advertised)[: -self.keep]:
+        kept = retained(self.advertised, self.keep, self.keep_anchor)
+        for version in sorted(set(self.advertised) - kept):
             self.retiring[version] = self.advertised.pop(version)
             self._last_access[version] = time.monotonic()
-            log.info("retiring %s (keeping the newest %d)", version_dirname(version), self.keep)
+            log.info("retiring %s (keeping the newest %d and the newest anchor)", version_dirname(version), self.keep)
             self._notify()
         now = time.monotonic()
         for version in list(self.retiring):

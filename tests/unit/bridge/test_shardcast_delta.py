@@ -222,3 +222,34 @@ def test_the_learners_export_writes_deltas_against_the_versions_beside_it(tmp_pa
         hf_config={"model_type": "qwen2"},
     )
     assert "deltas" not in json.loads((elsewhere.path / "manifest.json").read_text())
+
+
+def test_retained_keeps_the_newest_versions_and_the_newest_anchor():
+    assert delta.retained(range(1, 14), 3, every=8) == {8, 11, 12, 13}
+    assert delta.retained(range(1, 14), 3, keep_anchor=False, every=8) == {11, 12, 13}
+    assert delta.retained([0, 1, 2, 3, 4], 3, every=8) == {0, 2, 3, 4}
+    assert delta.retained([16, 17, 8], 3, every=8) == {8, 16, 17}  # the newest anchor is among the newest
+    assert delta.retained([5, 6, 7], 2, every=8) == {6, 7}  # no anchor held
+    with pytest.raises(ValueError, match="keep must be positive"):
+        delta.retained([1], 0)
+
+
+@pytest.mark.parametrize("keep_anchor", [True, False])
+def test_relay_store_holds_the_anchor_four_versions_after_it(tmp_path, keep_anchor):
+    import asyncio
+
+    from bridge.shardcast.store import VersionStore
+
+    root = tmp_path / "relay"
+    for v in range(7, 14):  # anchor 8, then 5 versions after it
+        publish(root, v, {"w.bin": bytes([v]) * 64})
+
+    async def scan():
+        store = VersionStore(root, keep=3, grace_s=0.0, keep_anchor=keep_anchor)
+        store.scan()
+        store.prune()
+        return sorted(store.advertised)
+
+    expected = [8, 11, 12, 13] if keep_anchor else [11, 12, 13]
+    assert asyncio.run(scan()) == expected
+    assert sorted(int(p.name[1:]) for p in root.glob("v0*")) == expected
