@@ -585,7 +585,7 @@ def test_a_logprob_moved_by_half_a_nat_is_rejected(dtype, rounding, temperature,
     """Lowering one token's reported logprob per 8-token sample by 0.5 nats (the denominator of the learner's
     importance ratio with engine logprobs) passed within the former 1.0 per-token bound; float32's bound
     rejects it, while the same samples reported honestly (vLLM's processed logprobs of the worker's logits,
-    off the validator's by `rounding`) pass. (In bfloat16 honest workers reached 0.36: a residual.)"""
+    off the validator's by `rounding`) pass. (An honest bfloat16 token reached 0.45: a residual.)"""
     rng = np.random.default_rng(int(temperature * 10 + top_p * 100))
     for trial in range(6):
         validator = _logits(n=8, vocab=300, seed=100 + trial, spread=2.0)
