@@ -173,17 +173,25 @@ def anchor_before(version: int, every: int = ANCHOR_EVERY) -> int:
     return (version - 1) // every * every
 
 
-def retained(versions: Iterable[int], keep: int, keep_anchor: bool = True, every: int = ANCHOR_EVERY) -> set[int]:
+def retained(
+    versions: Iterable[int],
+    keep: int,
+    keep_anchor: bool = True,
+    every: int = ANCHOR_EVERY,
+    bases: Iterable[int] = (),
+) -> set[int]:
     """The versions a server or worker holding `versions` keeps: the newest `keep`, and with `keep_anchor` the
-    newest anchor (a version divisible by `every`) among them, the base of the anchor deltas of every version
-    after it, so at most `keep + 1` versions are on disk."""
+    newest anchor among them, the base of the anchor deltas of every version after it: those of `bases` (the
+    bases the newest version's manifest lists deltas against: the previous version and the anchor) it holds,
+    else the newest held version divisible by `every`. So at most `keep + 1` versions are on disk."""
     if keep <= 0:
         raise ValueError(f"retained: keep must be positive, got {keep}")
     ordered = sorted(set(versions), reverse=True)
     kept = set(ordered[:keep])
-    anchors = [v for v in ordered if v % every == 0]
-    if keep_anchor and anchors:
-        kept.add(anchors[0])
+    if keep_anchor:
+        listed = set(bases) & kept.union(ordered)
+        anchors = [v for v in ordered if v % every == 0]
+        kept |= listed or set(anchors[:1])
     return kept
 
 

@@ -15,8 +15,9 @@ Deltas (`bridge.shardcast.delta`): before the parts, every file the manifest has
 held complete in `bases_root`, is rebuilt from that base and the delta (fetched whole from one server at a time
 and checked against its sha256: a server whose delta fails it is distrusted), then checked against the file's
 own sha256; a file that cannot be rebuilt (no base, a corrupt base, no server with a good delta) is fetched in
-full like any other. A relay (`mirror_deltas`) also lands the delta files themselves (first, so that it can
-serve them early), to serve them.
+full like any other. A relay (`mirror_deltas`) also lands the delta files against the newest version it holds
+below this one (first, so that it can serve them early), to serve them; it fetches any other delta file only
+when a client first asks for it (`bridge.shardcast.relay.LazyDeltas`), so its hop costs what a worker's does.
 
 Part hashes (a manifest with `part_size`): such a file is fetched in exactly the manifest's parts, and each part
 is checked against its own sha256 as soon as its last byte has landed, before it counts: with direct I/O from
@@ -55,8 +56,8 @@ from bridge.shardcast.choice import ServerChoice
 from bridge.shardcast.direct import BufferPool, write_part
 from bridge.shardcast.errors import FetchError, NotFound, ShardcastError, TransferError
 from bridge.shardcast.journal import Resume
-from bridge.shardcast.manifest import FileEntry, Manifest
-from bridge.shardcast.names import STABLE_FILE, ServerURL, version_dirname
+from bridge.shardcast.manifest import DeltaEntry, FileEntry, Manifest
+from bridge.shardcast.names import STABLE_FILE, ServerURL, parse_version_dirname, version_dirname
 from bridge.shardcast.parts import _File, _Part, _Tried
 from bridge.shardcast.pool import ServerPool
 from bridge.shardcast.rebuild import Rebuild
@@ -68,6 +69,19 @@ log = logging.getLogger("shardcast.download")
 TICK_S = 0.2
 JOURNAL_EVERY_S = 1.0
 PARTIAL_HEADER = "X-Shardcast-Partial"  # "WAIT": serve checked parts of a version still arriving (server.py)
+
+
+def eager_deltas(manifest: Manifest, bases_root: Path) -> list[DeltaEntry]:
+    """The delta files a relay mirrors with a version: those against the newest version complete in
+    `bases_root` below it (its clients', who fetch every version, base); none when it holds no older one."""
+    held = []
+    for entry in os.scandir(bases_root) if bases_root.is_dir() else ():
+        v = parse_version_dirname(entry.name)
+        if v is not None and v < manifest.version and os.path.exists(os.path.join(entry.path, STABLE_FILE)):
+            held.append(v)
+    if not held:
+        return []
+    return [d for d in manifest.deltas if d.base == max(held)]
 
 
 class FetchListener:
@@ -150,21 +164,23 @@ class Download(Resume, Rebuild, ServerChoice, Verification):
         """`replace_held`: a version already landed in `root` under another manifest is removed and this one
         fetched in its place (the manifest is pinned from a trusted source); otherwise that is an error.
         `use_deltas`: rebuild files from the versions held in `bases_root` (default `root`) where the manifest
-        has deltas; `mirror_deltas`: land the delta files too (a relay, which serves them). `listener`: told of
+        has deltas; `mirror_deltas`: land the delta files against the newest version held below this one too (a
+        relay, which serves them; it fetches the others when a client first asks: `eager_deltas`). `listener`: told of
         every checked part and file; `partial_wait`: with part hashes, also take parts from servers that are
         still receiving the version, each waiting up to that many seconds for a part (None: never);
         `refresh_first`: `candidates` are the servers that answered a wait, so ask all servers who holds the
         version as soon as the parts start (in the background), not `REFRESH_S` later."""
         self.manifest, self.version = manifest, manifest.version
         self.use_deltas = use_deltas and deltas.HAVE_ZSTD
-        self.entries: list[FileEntry] = (list(manifest.deltas) if mirror_deltas else []) + list(manifest.files)
+        self.bases_root = Path(bases_root if bases_root is not None else root)
+        mirrored = eager_deltas(manifest, self.bases_root) if mirror_deltas else []
+        self.entries: list[FileEntry] = mirrored + list(manifest.files)
         self.listener = listener or FetchListener()
         self._headers = {}
         if partial_wait is not None and manifest.part_size is not None:
             self._headers = {PARTIAL_HEADER: f"{partial_wait:.3f}"}
         self.partial_wait = partial_wait or 0.0
         self.total = sum(e.size for e in self.entries)
-        self.bases_root = Path(bases_root if bases_root is not None else root)
         self._rebuilt = 0
         self.replace_held = replace_held
         self.root = Path(root)

@@ -267,7 +267,8 @@ def _parse_deltas(
 def read_version_dir(path: Path, version: int, *, with_deltas: bool = False) -> Manifest:
     """The manifest of a complete version directory (STABLE present), checking that every file is there with
     its size (hashes are the writer's word: `write_version` and a SHARDCAST landing both verify before STABLE);
-    `with_deltas`: the delta files too (a server's directory holds them; a worker's need not)."""
+    `with_deltas`: the delta files too, those present (a relay holds only the ones it mirrored or was asked
+    for; a worker's directory none)."""
     if not (path / STABLE_FILE).is_file():
         raise ManifestError(f"{path}: no {STABLE_FILE} file (an incomplete version)")
     try:
@@ -278,6 +279,10 @@ def read_version_dir(path: Path, version: int, *, with_deltas: bool = False) -> 
     for entry in manifest.served.values() if with_deltas else manifest.files:
         try:
             size = os.stat(path / entry.name).st_size
+        except FileNotFoundError as e:
+            if isinstance(entry, DeltaEntry):
+                continue
+            raise ManifestError(f"{path / entry.name}: listed in the manifest but unreadable ({e})") from e
         except OSError as e:
             raise ManifestError(f"{path / entry.name}: listed in the manifest but unreadable ({e})") from e
         if size != entry.size:

@@ -39,6 +39,7 @@ import shutil
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +47,8 @@ from pathlib import Path
 from bridge.shardcast import disk
 from bridge.shardcast.client import ShardcastClient
 from bridge.shardcast.download import FetchListener
-from bridge.shardcast.errors import ManifestError, ShardcastError, WaitTimeout
-from bridge.shardcast.manifest import Manifest, parse_manifest, read_version_dir
+from bridge.shardcast.errors import ManifestError, ShardcastError, TransferError, WaitTimeout
+from bridge.shardcast.manifest import DeltaEntry, Manifest, parse_manifest, read_version_dir
 from bridge.shardcast.names import (
     MANIFEST_FILE,
     STABLE_FILE,
@@ -56,8 +57,10 @@ from bridge.shardcast.names import (
     parse_version_dirname,
     version_dirname,
 )
+from bridge.shardcast.parts import _sha256_file
 from bridge.shardcast.server import ServerLimits, ShardcastServer
 from bridge.shardcast.store import VersionStore
+from bridge.shardcast.transfer import check_status, open_get, receive_into_file
 
 log = logging.getLogger("shardcast.relay")
 
@@ -125,6 +128,8 @@ def recover_unsynced(root: Path) -> list[int]:
         try:
             manifest = read_version_dir(path, version, with_deltas=True)
             for entry in manifest.served.values():
+                if isinstance(entry, DeltaEntry) and not (path / entry.name).exists():
+                    continue  # a delta file never asked for: fetched when a client first does
                 digest = hashlib.sha256()
                 with open(path / entry.name, "rb") as f:
                     while block := f.read(_HASH_BLOCK):
@@ -182,6 +187,61 @@ class Announcer(FetchListener):
 
     def abandoned(self) -> None:
         self._post(self.store.drop_arriving)
+
+
+class LazyDeltas:
+    """Fetches a delta file the mirror did not land (`bridge.shardcast.download.eager_deltas`: only the deltas
+    against the newest version held are mirrored) when a client first asks for it: from each upstream in turn,
+    checked against its sha256, then renamed into the version directory and served. Concurrent requests for
+    the same file share one fetch; a failed one is tried again on the next request."""
+
+    def __init__(self, client: ShardcastClient, root: Path):
+        self.client, self.root = client, root
+        self._running: dict[tuple[int, str], asyncio.Future] = {}
+
+    async def __call__(self, version: int, entry: DeltaEntry) -> bool:
+        key = (version, entry.name)
+        fut = self._running.get(key)
+        if fut is None:
+            fut = self._running[key] = asyncio.get_running_loop().run_in_executor(None, self.fetch, version, entry)
+            fut.add_done_callback(lambda _: self._running.pop(key, None))
+        return await asyncio.shield(fut)
+
+    def fetch(self, version: int, entry: DeltaEntry) -> bool:
+        """Land `entry` in the version's directory (blocking); whether it is there now."""
+        final = self.root / version_dirname(version) / entry.name
+        if final.exists():
+            return True
+        url_path = f"/v/{version}/{entry.name}"
+        timeout = self.client.timeout
+        for server in self.client.servers:
+            tmp = final.with_name(f".{entry.name}.lazy-{uuid.uuid4().hex[:8]}")
+            try:
+                resp = open_get(server, url_path, timeout=timeout)
+                try:
+                    check_status(resp, url_path, (200,), timeout)
+                    if resp.content_length() != entry.size:
+                        raise TransferError(
+                            server, f"GET {url_path}: Content-Length {resp.content_length()}, expected {entry.size}"
+                        )
+                    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+                    try:
+                        receive_into_file(resp, fd, 0, entry.size, timeout=timeout, progress=lambda n: None)
+                    finally:
+                        os.close(fd)
+                finally:
+                    resp.close()
+                if _sha256_file(tmp) != entry.sha256:
+                    log.warning("%s from %s fails its sha256: trying another upstream", url_path, server)
+                    continue
+                os.rename(tmp, final)
+                log.info("fetched %s on a client's first request (%d bytes)", url_path, entry.size)
+                return True
+            except (ShardcastError, OSError) as e:
+                log.warning("could not fetch %s from %s: %s", url_path, server, e)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return False
 
 
 class Mirror:
@@ -354,7 +414,9 @@ async def serve_relay(
     store = VersionStore(root, keep=keep, grace_s=grace_s, keep_anchor=keep_anchor)
     store.scan()
     _leftovers(root, store.latest)
-    server = ShardcastServer(store, role="relay", host=host, port=port, timeout=timeout, limits=limits)
+    server = ShardcastServer(
+        store, role="relay", host=host, port=port, timeout=timeout, limits=limits, missing=LazyDeltas(client, root)
+    )
     ready(await server.start())
     loop = asyncio.get_running_loop()
     stop = threading.Event()

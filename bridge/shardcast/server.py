@@ -38,12 +38,14 @@ import math
 import os
 import re
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from bridge.shardcast.errors import ShardcastError
+from bridge.shardcast.manifest import DeltaEntry
 from bridge.shardcast.names import MANIFEST_FILE, check_file_name, parse_version
 from bridge.shardcast.store import VersionStore
 
@@ -279,8 +281,12 @@ class ShardcastServer:
         port: int,
         timeout: float = 30.0,
         limits: ServerLimits = ServerLimits(),
+        missing: Callable[[int, DeltaEntry], Awaitable[bool]] | None = None,
     ):
+        """`missing(version, entry)`: lands a delta file of a complete version that is not on disk (a relay's
+        `LazyDeltas`), returning whether it now is; None: such a file is answered 404."""
         self.store, self.role, self.host, self.port = store, role, host, port
+        self.missing = missing
         self.timeout, self.limits = timeout, limits
         line = min(8190, limits.max_header_bytes)
         # lingering_time 0: a request body is never read (413 closes the connection instead)
@@ -404,6 +410,14 @@ class ShardcastServer:
             if state == "complete":  # it landed meanwhile: served as any complete version
                 return await self._file(request, version, name)
         with self.store.pinned(version):
+            if (
+                not partial
+                and isinstance(entry, DeltaEntry)
+                and self.missing is not None
+                and not (self.store.path(version) / name).exists()
+                and not await self.missing(version, entry)
+            ):
+                return _error(404, f"version {version}: delta file {name!r} is not held here nor upstream")
             try:
                 f = self._open(version, name, partial)
             except OSError as e:

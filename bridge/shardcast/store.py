@@ -218,7 +218,9 @@ class VersionStore:
         ones that are idle (relays only)."""
         if self.keep is None:
             return
-        kept = retained(self.advertised, self.keep, self.keep_anchor)
+        latest = self.advertised.get(self.latest) if self.advertised else None
+        bases = {d.base for d in latest.deltas} if latest is not None else set()
+        kept = retained(self.advertised, self.keep, self.keep_anchor, bases=bases)
         for version in sorted(set(self.advertised) - kept):
             self.retiring[version] = self.advertised.pop(version)
             self._last_access[version] = time.monotonic()

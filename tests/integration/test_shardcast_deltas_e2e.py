@@ -12,6 +12,7 @@ import hashlib
 import json
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -126,10 +127,9 @@ def test_clients_with_and_without_the_base_in_one_fetch(servers, tmp_path):
     relay_dir = tmp_path / "relay"
     relay = servers(serve_relay, relay_dir, origin.url, keep=4, fsync=False, patience=5.0, timeout=5.0)
     wait_mirrored(relay.url, 3)
-    # the relay mirrors newest first: v2 in full, then v1 and v0; the delta files are mirrored with them
-    for v in range(3):
-        doc = json.loads((origin_dir / f"v{v:06d}" / "manifest.json").read_bytes())
-        assert {d["name"] for d in doc["deltas"]} <= {p.name for p in (relay_dir / f"v{v:06d}").iterdir()}
+    # the relay mirrors newest first: v2 in full, then v1 and v0; it held no older version as each arrived, so
+    # it mirrored none of their delta files: it fetches one when a client first asks for it
+    assert not list(relay_dir.glob("v*/*.xzst"))
 
     with_base, without = tmp_path / "a", tmp_path / "b"
     client(origin.url).fetch(1, with_base)
@@ -148,6 +148,8 @@ def test_clients_with_and_without_the_base_in_one_fetch(servers, tmp_path):
     assert results["a"].rebuilt_files == 1 and results["b"].rebuilt_files == 0
     assert results["a"].received_bytes * 5 < full_size(published[2])  # the delta and config.json
     assert results["b"].received_bytes == full_size(published[2])
+    # the relay fetched the delta against v1 (asked for) and not the one against the anchor v0 (never asked)
+    assert [p.name for p in relay_dir.glob("v000002/*.xzst")] == [delta.delta_name("model.safetensors", 1)]
 
 
 def test_a_mirror_reports_each_delta_file_checked_before_its_rebuild_is_done(servers, tmp_path, monkeypatch):
@@ -253,7 +255,10 @@ def test_a_relay_serving_a_corrupt_delta_is_distrusted_and_the_file_rebuilt_from
     relay_dir = tmp_path / "relay"
     relay = servers(serve_relay, relay_dir, origin.url, keep=4, fsync=False, patience=5.0, timeout=5.0)
     wait_mirrored(relay.url, 2)
-    (dfile,) = [p for p in (relay_dir / "v000001").iterdir() if p.name.endswith(".xzst")]
+    name = delta.delta_name("model.safetensors", 0)
+    with urllib.request.urlopen(f"{relay.url}/v/1/{name}", timeout=10) as resp:  # the relay fetches it upstream
+        assert resp.read() == (origin_dir / "v000001" / name).read_bytes()
+    dfile = relay_dir / "v000001" / name
     raw = bytearray(dfile.read_bytes())
     raw[len(raw) // 2] ^= 1  # the same size: only the sha256 tells
     dfile.write_bytes(bytes(raw))
@@ -319,3 +324,29 @@ def test_a_client_told_not_to_use_deltas_fetches_full_files(servers, tmp_path):
         hashlib.sha256((out / "v000001" / "model.safetensors").read_bytes()).hexdigest()
         == hashlib.sha256(published[1]["model.safetensors"]).hexdigest()
     )
+
+
+def test_a_relay_mirrors_only_the_delta_against_the_version_it_holds_and_keeps_the_anchor(servers, tmp_path):
+    """Versions published one at a time: the relay holds the previous one as each arrives, so it downloads that
+    delta with the version (and rebuilds from it) but not the one against the anchor, which no client asked
+    for; retention (keep=2) still holds the anchor v4 three versions later."""
+    origin_dir, relay_dir = tmp_path / "origin", tmp_path / "relay"
+    weights = initial()
+    publish(origin_dir, 0, {"model.safetensors": safetensors_bytes(weights)}, every=4)
+    origin = servers(serve_origin, origin_dir)
+    relay = servers(serve_relay, relay_dir, origin.url, keep=2, fsync=False, patience=5.0, timeout=5.0, grace_s=0.0)
+    probe = client(relay.url)
+    for v in range(1, 8):
+        weights = step(weights, v)
+        doc = publish(origin_dir, v, {"model.safetensors": safetensors_bytes(weights)}, every=4)
+        assert {d["base"] for d in doc["deltas"]} == {v - 1, v // 4 * 4 if v % 4 else v - 4} - {v}
+        deadline = time.monotonic() + 20
+        while v not in next(iter(probe.versions().values())):
+            assert time.monotonic() < deadline, f"the relay did not mirror v{v}"
+            time.sleep(0.05)
+        on_relay = sorted(p.name for p in (relay_dir / f"v{v:06d}").glob("*.xzst"))
+        assert on_relay == [delta.delta_name("model.safetensors", v - 1)], v
+    deadline = time.monotonic() + 20
+    while sorted(int(p.name[1:]) for p in relay_dir.glob("v0*")) != [4, 6, 7]:
+        assert time.monotonic() < deadline, sorted(p.name for p in relay_dir.glob("v0*"))
+        time.sleep(0.05)

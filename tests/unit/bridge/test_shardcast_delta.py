@@ -253,3 +253,9 @@ def test_relay_store_holds_the_anchor_four_versions_after_it(tmp_path, keep_anch
     expected = [8, 11, 12, 13] if keep_anchor else [11, 12, 13]
     assert asyncio.run(scan()) == expected
     assert sorted(int(p.name[1:]) for p in root.glob("v0*")) == expected
+
+
+def test_retained_keeps_the_bases_the_newest_manifest_lists():
+    # the newest version (13) has deltas against 12 and the anchor 4 (an interval of 4): 4 is kept, not 8
+    assert delta.retained(range(1, 14), 3, every=8, bases=[12, 4]) == {4, 11, 12, 13}
+    assert delta.retained(range(5, 14), 3, every=8, bases=[12, 4]) == {11, 12, 13}  # 4 is not held
