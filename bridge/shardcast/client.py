@@ -30,6 +30,7 @@ holder, and a version held locally under another manifest is replaced.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import functools
 import logging
 import os
@@ -40,6 +41,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from bridge.shardcast import delta as deltas
 from bridge.shardcast.direct import ALIGN, HAVE_DIRECT, BufferPool
 from bridge.shardcast.disk import held_version
 from bridge.shardcast.download import PARTIAL_HEADER, Download, FetchListener, FetchResult
@@ -51,6 +53,7 @@ from bridge.shardcast.names import (
     ServerURL,
     check_version,
     parse_server_list,
+    parse_version_dirname,
     version_dirname,
 )
 from bridge.shardcast.pool import ServerPool
@@ -87,6 +90,22 @@ def parse_partial(doc: dict, server: ServerURL) -> list[int]:
         return sorted(check_version(v, f"{server}/versions 'partial'") for v in items)
     except ShardcastError as e:
         raise TransferError(server, str(e)) from None
+
+
+def held_versions(root: Path) -> list[int]:
+    """The versions complete (STABLE written) in `root`."""
+    try:
+        names = [entry.name for entry in os.scandir(root)]
+    except FileNotFoundError:
+        return []
+    versions = [v for v in map(parse_version_dirname, names) if v is not None]
+    return [v for v in versions if (root / version_dirname(v) / STABLE_FILE).exists()]
+
+
+def chain_cost(manifest: Manifest) -> int:
+    """Bytes to fetch a version from the one before it: each file's delta against `version - 1`, else in full."""
+    against_previous = {d.file: d.size for d in manifest.deltas if d.base == manifest.version - 1}
+    return sum(against_previous.get(e.name, e.size) for e in manifest.files)
 
 
 class ShardcastClient:
@@ -314,6 +333,10 @@ class ShardcastClient:
             holders, partly = sorted(self._holders(version), key=str), False
             manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
+        if self.use_deltas and not self.mirror_deltas and listener is None and deltas.HAVE_ZSTD:
+            chain = tuple(self.fetch(step, out_root) for step in self._chain(version, manifest, out_root, sources))
+        else:
+            chain = ()
         log.info(
             "fetching %s (%d files, %.1f MiB) from %s",
             version_dirname(version),
@@ -343,6 +366,8 @@ class ShardcastClient:
             refresh_first=partly,
         )
         result = download.run()
+        if chain:
+            result = dataclasses.replace(result, chain=chain)
         if not result.already_present:
             log.info(
                 "fetched %s: %.1f MiB in %.2f s (%.0f MB/s; %d of %d files rebuilt from deltas)",
@@ -354,6 +379,35 @@ class ShardcastClient:
                 len(manifest.files),
             )
         return result
+
+    def _chain(self, version: int, manifest: Manifest, out_root: Path, sources: list[ServerURL]) -> list[int]:
+        """The versions to land before `version` so that each one, and then `version`, is rebuilt from the one
+        before through its delta: from the newest version held below it, when no delta of `version` has a held
+        base, the gap is at most `ANCHOR_EVERY` versions (a chain is never longer than the anchor interval),
+        every link's manifest is served, and the chain's bytes are fewer than `version` in full. Else none."""
+        held = sorted(v for v in held_versions(out_root) if v < version)
+        if not held or any(d.base in held for d in manifest.deltas) or version - held[-1] > deltas.ANCHOR_EVERY:
+            return []
+        steps = list(range(held[-1] + 1, version))
+        cost = 0
+        for step in steps:
+            try:
+                link, _ = self._manifest(step, sources, None)
+            except FetchError as e:
+                log.info("no delta chain to %s: %s", version_dirname(version), e)
+                return []
+            cost += chain_cost(link)
+        cost += chain_cost(manifest)
+        if cost >= manifest.total_size:
+            return []
+        log.info(
+            "rebuilding %s through %s: %.1f MiB instead of %.1f MiB in full",
+            version_dirname(version),
+            ", ".join(map(version_dirname, steps)),
+            cost / 2**20,
+            manifest.total_size / 2**20,
+        )
+        return steps
 
     def _locate(self, version: int | str, wait: float) -> tuple[list[ServerURL], int, bool]:
         """The servers that offer `version` (resolving "latest"), waiting up to `wait` seconds for one, and

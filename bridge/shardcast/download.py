@@ -113,6 +113,7 @@ class FetchResult:
     already_present: bool = False
     direct_io: bool = False  # the bytes went to disk with O_DIRECT, not through the page cache
     rebuilt_files: int = 0  # files rebuilt from a held base and a delta
+    chain: tuple[FetchResult, ...] = ()  # versions landed first, each rebuilt from the one before (a delta chain)
 
     @property
     def mb_per_s(self) -> float:
@@ -131,6 +132,7 @@ class FetchResult:
             "already_present": self.already_present,
             "direct_io": self.direct_io,
             "rebuilt_files": self.rebuilt_files,
+            "chain": [r.to_json() for r in self.chain],
         }
 
 

@@ -350,3 +350,26 @@ def test_a_relay_mirrors_only_the_delta_against_the_version_it_holds_and_keeps_t
     while sorted(int(p.name[1:]) for p in relay_dir.glob("v0*")) != [4, 6, 7]:
         assert time.monotonic() < deadline, sorted(p.name for p in relay_dir.glob("v0*"))
         time.sleep(0.05)
+
+
+def test_a_client_two_versions_behind_rebuilds_through_a_chain_of_deltas(servers, tmp_path):
+    """Holding v1 and fetching v3 (anchors every 8, so v3's deltas are against v2 and v0, neither held): the
+    client lands v2 from its delta against v1, then v3 from its delta against v2, far under the full bytes."""
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 4, every=8)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(1, out)
+    result = client(origin.url).fetch(3, out)
+    landed(out, 2, published[2])
+    landed(out, 3, published[3])
+    assert [r.version for r in result.chain] == [2]
+    assert result.rebuilt_files == 1 and result.chain[0].rebuilt_files == 1
+    # what came over the network: each link's delta against the version before it, and config.json twice
+    expected = 0
+    for v in (2, 3):
+        doc = json.loads((origin_dir / f"v{v:06d}" / "manifest.json").read_bytes())
+        expected += sum(d["size"] for d in doc["deltas"] if d["base"] == v - 1) + len(published[v]["config.json"])
+    received = result.received_bytes + result.chain[0].received_bytes
+    assert received == expected
+    assert received * 15 < full_size(published[3])
