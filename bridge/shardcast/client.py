@@ -102,6 +102,16 @@ def held_versions(root: Path) -> list[int]:
     return [v for v in versions if (root / version_dirname(v) / STABLE_FILE).exists()]
 
 
+def rebuild_pays(pool: ServerPool, sources: Iterable[ServerURL], rebuild_bytes_per_s: float | None) -> bool:
+    """Whether to rebuild files from deltas: the rebuild runs beside the delta's transfer, so it ends after
+    about size / rebuild rate, while the full file takes size / bandwidth; rebuild unless the best bandwidth
+    measured of `sources` is above `rebuild_bytes_per_s` (always when that is None or nothing is measured)."""
+    if rebuild_bytes_per_s is None:
+        return True
+    best = pool.best_bandwidth(sources)
+    return best is None or best <= rebuild_bytes_per_s
+
+
 def chain_cost(manifest: Manifest) -> int:
     """Bytes to fetch a version from the one before it: each file's delta against `version - 1`, else in full."""
     against_previous = {d.file: d.size for d in manifest.deltas if d.base == manifest.version - 1}
@@ -126,6 +136,7 @@ class ShardcastClient:
         use_deltas: bool = True,
         mirror_deltas: bool = False,
         pipelined: bool = True,
+        rebuild_bytes_per_s: float | None = None,
     ):
         """`servers`: `URL[,URL...]` or a list; `timeout`: seconds a server may take to answer or to move 1 MiB;
         `patience`: seconds a fetch keeps trying without receiving a byte before it gives up; `parallel`:
@@ -134,7 +145,11 @@ class ShardcastClient:
         `buffer_bytes` (parts are then at most that long), where the platform and filesystem allow it;
         `use_deltas`: rebuild files from versions held in the output directory where the manifest lists deltas
         (`bridge.shardcast.delta`); `mirror_deltas`: land the delta files too (relays, which serve them);
-        `pipelined`: also fetch versions with part hashes from servers still receiving them (see above)."""
+        `pipelined`: also fetch versions with part hashes from servers still receiving them (see above);
+        `rebuild_bytes_per_s`: this host's rebuild rate (`benchmarks/shardcast_delta_bytes.py` reports it): a
+        fetch whose servers' best measured bandwidth is above it takes the full files, which then arrive sooner
+        than a rebuild would finish (`rebuild_pays`); None: always rebuild (fewest bytes)."""
+        self.rebuild_bytes_per_s = rebuild_bytes_per_s
         self.use_deltas, self.mirror_deltas, self.pipelined = use_deltas, mirror_deltas, pipelined
         self.servers = parse_server_list(servers if isinstance(servers, str) else list(servers))
         self.parallel = parallel or min(4, os.cpu_count() or 1)
@@ -333,7 +348,8 @@ class ShardcastClient:
             holders, partly = sorted(self._holders(version), key=str), False
             manifest, impostors = self._manifest(version, holders, manifest_sha256)
         sources = [s for s in holders if s not in impostors]
-        if self.use_deltas and not self.mirror_deltas and listener is None and deltas.HAVE_ZSTD:
+        use_deltas = self.use_deltas and rebuild_pays(self.pool, sources, self.rebuild_bytes_per_s)
+        if use_deltas and not self.mirror_deltas and listener is None and deltas.HAVE_ZSTD:
             chain = tuple(self.fetch(step, out_root) for step in self._chain(version, manifest, out_root, sources))
         else:
             chain = ()
@@ -359,7 +375,7 @@ class ShardcastClient:
             buffers=self.buffers,
             on_progress=on_progress,
             replace_held=manifest_sha256 is not None,
-            use_deltas=self.use_deltas,
+            use_deltas=use_deltas,
             mirror_deltas=self.mirror_deltas,
             listener=listener,
             partial_wait=self.partial_wait if self.pipelined else None,

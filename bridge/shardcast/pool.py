@@ -58,6 +58,12 @@ class ServerPool:
                 rate = nbytes / seconds
                 st.bandwidth = rate if st.bandwidth is None else (1 - ALPHA) * st.bandwidth + ALPHA * rate
 
+    def best_bandwidth(self, candidates: Iterable[ServerURL]) -> float | None:
+        """The highest bandwidth measured of `candidates` (bytes/s), None when none is measured."""
+        with self._lock:
+            measured = [self.stats[s].bandwidth for s in candidates if s in self.stats]
+        return max((b for b in measured if b is not None), default=None)
+
     def distrust(self, server: ServerURL) -> None:
         """The server sent bytes that failed a sha256 check."""
         with self._lock:

@@ -373,3 +373,22 @@ def test_a_client_two_versions_behind_rebuilds_through_a_chain_of_deltas(servers
     received = result.received_bytes + result.chain[0].received_bytes
     assert received == expected
     assert received * 15 < full_size(published[3])
+
+
+@pytest.mark.parametrize("bandwidth", [1e6, 1e10])
+def test_a_client_on_a_link_faster_than_its_rebuild_fetches_full_files(servers, tmp_path, bandwidth):
+    """Rebuild rate 1e8 B/s: a server measured at 1e6 B/s (slower) gets the delta, at 1e10 B/s the full file."""
+    origin_dir = tmp_path / "origin"
+    published = versions(origin_dir, 2)
+    origin = servers(serve_origin, origin_dir)
+    out = tmp_path / "out"
+    client(origin.url).fetch(0, out)
+    c = client(origin.url, rebuild_bytes_per_s=1e8)
+    (server,) = c.servers
+    c.pool.stats[server].bandwidth = bandwidth
+    result = c.fetch(1, out)
+    landed(out, 1, published[1])
+    if bandwidth < 1e8:
+        assert result.rebuilt_files == 1 and result.received_bytes * 5 < full_size(published[1])
+    else:
+        assert result.rebuilt_files == 0 and result.received_bytes == full_size(published[1])
