@@ -18,6 +18,15 @@ sends), xor with the bytes of each bf16 value split into two planes then zstd, a
 
     python benchmarks/shardcast_delta_bytes.py --versions 4 --out /tmp/delta-bench
     python benchmarks/shardcast_delta_bytes.py --exports runs/demo/weights
+    python benchmarks/shardcast_delta_bytes.py --hops --layers 0 --versions 10 --no-compare
+
+`--hops` (issue 38): the versions are published into an origin one at a time, the learner's way (deltas against
+the previous version and the newest anchor, `delta.delta_bases`), and travel origin -> relay -> clients on
+127.0.0.1, each hop through a byte-counting TCP proxy. Per version it reports the bytes the relay downloaded, a
+client that follows every version, and a client two versions behind (and, apart, the delta files the relay
+fetched upstream because that client asked for them) (it holds v-2: a delta chain through
+v-1), each landing checked byte for byte; and the rebuild's CPU cost (`apply_delta` of the previous-version
+delta, seconds per GB of rebuilt file).
 """
 
 from __future__ import annotations
@@ -203,6 +212,150 @@ def measure(dirs: list[Path], work: Path, compare: bool) -> list[dict]:
     return rows
 
 
+class CountingProxy:
+    """A TCP forwarder on 127.0.0.1 to `target` that counts the bytes it sends back (what its client downloads)."""
+
+    def __init__(self, target: str):
+        import socket
+        import threading
+        from urllib.parse import urlsplit
+
+        u = urlsplit(target)
+        self.target = (u.hostname, u.port)
+        self.received = 0
+        self._lock = threading.Lock()
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            conn, _ = self.sock.accept()
+            up = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(conn, up, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(up, conn, True), daemon=True).start()
+
+    def _pipe(self, src, dst, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
+                if count:
+                    with self._lock:
+                        self.received += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def take(self) -> int:
+        with self._lock:
+            n, self.received = self.received, 0
+        return n
+
+
+def _serve(serve, *args, **kw) -> str:
+    """Run a SHARDCAST server coroutine on its own event loop in a daemon thread; returns its URL."""
+    import asyncio
+    import threading
+
+    started, box = threading.Event(), {}
+
+    def ready(url: str) -> None:
+        box["url"] = url
+        started.set()
+
+    def run() -> None:
+        asyncio.run(serve(*args, host="127.0.0.1", port=0, ready=ready, **kw))
+
+    threading.Thread(target=run, daemon=True).start()
+    if not started.wait(30):
+        sys.exit("a server did not start")
+    return box["url"]
+
+
+def _publish(origin: Path, src: Path) -> dict:
+    """Publish the synthetic version `src` into `origin` as the learner's export does: files, deltas, STABLE."""
+    v = int(src.name[1:])
+    doc = json.loads((src / "manifest.json").read_text())
+    stage = origin / f".staging-{v}"
+    stage.mkdir(parents=True)
+    for e in doc["files"]:
+        os.link(src / e["name"], stage / e["name"])
+    doc["deltas"] = delta.write_deltas(stage, doc["files"], delta.delta_bases(origin, v))
+    (stage / "manifest.json").write_text(json.dumps(doc))
+    os.rename(stage, origin / src.name)
+    (origin / src.name / "STABLE").write_text(f"{v}\n")
+    return doc
+
+
+def _same(a: Path, b: Path) -> bool:
+    return all(_sha256(a / n) == _sha256(b / n) for n in ("model.safetensors",))
+
+
+def hops(dirs: list[Path], work: Path) -> list[dict]:
+    """Origin -> relay -> clients, one version at a time, counting each hop's bytes; see the module docstring."""
+    from bridge.shardcast import ShardcastClient
+    from bridge.shardcast.origin import serve_origin
+    from bridge.shardcast.relay import serve_relay
+
+    origin_dir, relay_dir, follow, behind = (work / n for n in ("origin", "relay", "follow", "behind"))
+    origin_dir.mkdir(parents=True)
+    _publish(origin_dir, dirs[0])
+    origin = CountingProxy(_serve(serve_origin, origin_dir))
+    relay = CountingProxy(_serve(serve_relay, relay_dir, origin.url, keep=3, fsync=False, grace_s=5.0))
+    opts = {"timeout": 60.0, "patience": 120.0, "fsync": False, "direct_io": False}
+    c = ShardcastClient(relay.url, **opts)
+    c.fetch(0, follow, wait=120)
+    origin.take(), relay.take()
+    rows = []
+    for src in dirs[1:]:
+        v = int(src.name[1:])
+        doc = _publish(origin_dir, src)
+        full = doc["total_size"]
+        c.fetch(v, follow, wait=120)
+        relay_bytes, follow_bytes = origin.take(), relay.take()
+        row = {
+            "version": v,
+            "full_bytes": full,
+            "relay_bytes": relay_bytes,
+            "follow_bytes": follow_bytes,
+            "relay_ratio": round(full / max(relay_bytes, 1), 1),
+            "follow_ratio": round(full / max(follow_bytes, 1), 1),
+            "landed_identical": _same(follow / src.name, src),
+        }
+        if v >= 2:
+            held = behind / f"v{v - 2:06d}"
+            shutil.rmtree(behind, ignore_errors=True)
+            held.mkdir(parents=True)
+            for f in (follow / held.name).iterdir():
+                os.link(f, held / f.name)
+            result = ShardcastClient(relay.url, **opts).fetch(v, behind)
+            row["behind2_bytes"] = relay.take()
+            row["relay_lazy_bytes"] = origin.take()  # delta files the relay fetched on the client's request
+            row["behind2_ratio"] = round(full / max(row["behind2_bytes"], 1), 1)
+            row["behind2_chain"] = [r.version for r in result.chain]
+            row["landed_identical"] = row["landed_identical"] and _same(behind / src.name, src)
+        d = next(d for d in doc["deltas"] if d["base"] == v - 1)
+        out = work / "rebuilt"
+        fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        t0 = time.process_time()
+        delta.apply_delta(origin_dir / f"v{v - 1:06d}" / d["file"], origin_dir / src.name / d["name"], fd, full)
+        row["rebuild_cpu_s_per_gb"] = round((time.process_time() - t0) / (full / 1e9), 2)
+        os.close(fd)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        for old in sorted(follow.glob("v0*"))[:-3]:
+            shutil.rmtree(old)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--exports", type=Path, help="measure these exports instead of synthetic ones")
@@ -213,6 +366,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compare", action="store_true", help="only xor-zstd (skip the other encodings)")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic versions in --out")
+    ap.add_argument("--hops", action="store_true", help="origin -> relay -> clients with byte-counting proxies")
     args = ap.parse_args()
     if not delta.HAVE_ZSTD:
         sys.exit("the zstandard module is not installed")
@@ -231,6 +385,21 @@ def main() -> None:
             "lr": args.lr,
         }
     work = args.out / "work"
+    if args.hops:
+        rows = hops(dirs, work)
+        shutil.rmtree(work, ignore_errors=True)
+        if not args.exports and not args.keep:
+            shutil.rmtree(args.out, ignore_errors=True)
+        later = rows[1:] or rows
+        summary = {
+            "min_relay_ratio": min(r["relay_ratio"] for r in rows),
+            "min_follow_ratio": min(r["follow_ratio"] for r in rows),
+            "min_behind2_ratio": min((r["behind2_ratio"] for r in rows if "behind2_ratio" in r), default=None),
+            "all_identical": all(r["landed_identical"] for r in rows),
+            "rebuild_cpu_s_per_gb_median": float(np.median([r["rebuild_cpu_s_per_gb"] for r in later])),
+        }
+        print(json.dumps({"source": source, "hops": rows, **summary, "seconds": round(time.monotonic() - t0, 1)}))
+        return
     rows = measure(dirs, work, not args.no_compare)
     shutil.rmtree(work, ignore_errors=True)
     if not args.exports and not args.keep:
