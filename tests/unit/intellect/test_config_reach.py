@@ -111,6 +111,9 @@ def non_default_config(tmp_path: Path) -> Config:
     d["length_targets"] = [d["max_new_tokens"] // 2]
     d["solve_rate_min"], d["solve_rate_max"] = 0.2, 0.7
     loss["delta"] = 1 + loss["eps_high"] + 1.5
+    if loss["policy_loss"] == "dr_grpo":  # the Dr. GRPO preset fixes these two (both still non-default)
+        loss.update(aggregation="seq_mean_token_sum_norm", std_normalize=False)
+    loss.update(mismatch_low=0.4, mismatch_high=2.5)  # a ratio window around 1
     values["shardcast"]["keep_versions"] = t["async_level"] + 2
     o.update(heartbeat_interval_s=5.0, unhealthy_after_s=20.0, dead_after_s=100.0)
     # what a node must reach: its orchestrator (not called here) and a rollout store it can open
