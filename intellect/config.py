@@ -45,6 +45,8 @@ class RunConfig(Section):
     """Logging level of every process."""
     sft_steps: int = Field(0, ge=0)
     """Supervised warm-start steps `intellect run` makes before RL (0: none; RL starts from model.path)."""
+    sft_think_lines: list[int] = []
+    """Warm start: completions write the answer on k lines, k drawn from this list apart from the target (empty: 1)."""
     eval_interval: int = Field(0, ge=0)
     """`intellect run` scores held-out accuracy every this many learner steps (0: at the start and end only)."""
     restart_failed: bool = False
@@ -55,6 +57,13 @@ class RunConfig(Section):
     """W&B project the run's processes log to (one W&B run per role, grouped by run.name)."""
     wandb_entity: str | None = None
     """W&B entity (user or team) owning the project (None: the account's default)."""
+
+    @field_validator("sft_think_lines")
+    @classmethod
+    def _lines(cls, value: list[int]) -> list[int]:
+        if any(k < 1 for k in value):
+            raise ValueError(f"every count must be >= 1 (lines holding the answer), got {value}")
+        return value
 
     @field_validator("log_level", mode="before")
     @classmethod

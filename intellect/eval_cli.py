@@ -6,6 +6,10 @@ The held-out tasks are `intellect.tasks_setup.heldout_tasks(cfg.data)` (never a 
 `worker.max_tokens` (else `data.max_new_tokens`) and stop where vLLM stops (the model's eos ids). The engine
 runs in `worker.dtype`.
 
+With `data.length_targets` every task is asked once per target (stated in the prompt as workers state it)
+and the record adds `length_abs_err` (the mean over targets of mean |completion length - target|) and, per
+target T, `length_abs_err/T`, `length_mean/T` and `accuracy/T` (`gpu_workers.evaluate`).
+
 Prints one JSON line: {"accuracy", "n", "samples", "mean_completion_len", "model", "version", "task",
 "temperature", "seconds"}; with `--metrics FILE --step S` the same record, with "role": "eval", "step" and
 "time", is appended to FILE (a run's metrics.jsonl). Without `--json` a short human summary with a few
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_p=cfg.worker.top_p,
             seed=args.seed,
+            length_targets=cfg.data.length_targets,
         )
     except ValueError as exc:
         return _fail(str(exc))
@@ -108,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
             f"(version {version}, {result.mean_completion_len:.1f} tokens per completion)",
             file=sys.stderr,
         )
+        for target, m in result.by_target.items():
+            print(
+                f"  target {target} tokens: mean |length - target| {m['abs_err']:.2f}, mean length "
+                f"{m['mean_len']:.1f}, pass@1 {m['accuracy']:.3f}",
+                file=sys.stderr,
+            )
         for task, texts, ok in list(zip(tasks, result.completions, result.correct))[:3]:
             print(
                 f"  {task.prompt!r} -> {texts[0]!r} ({'right' if ok[0] else 'wrong'}; answer {task.answer!r})",

@@ -5,7 +5,9 @@ The roles append one JSON object a line to `RUN_DIR/metrics.jsonl`, each with "r
   the mean completion length of the trained samples: loss-mask tokens per sample), `staleness_mean`,
   `staleness_max`, `staleness_hist` (samples per staleness), `tokens_per_s`, `busy_frac`, `loss`, `pg_loss`
   and the clip fractions (with `loss.mismatch`, the masked fractions);
-- "eval" (`intellect eval --metrics`): held-out pass@1 `accuracy` and `mean_completion_len`;
+- "eval" (`intellect eval --metrics`): held-out pass@1 `accuracy` and `mean_completion_len`; with length
+  targets also `length_abs_err` and, per target T, `length_abs_err/T`, `length_mean/T` and `accuracy/T`
+  (the `length_targets` chart);
 - "pool" (the launcher, about every 10 s): cumulative `accepted_batches` and `rejected_batches`;
 - "sft" (`intellect sft`): `loss` and token `accuracy`.
 
@@ -49,6 +51,7 @@ class Panel:
     ylabel: str
     lines: tuple[Line, ...] = ()
     stack: str | None = None  # stacked areas of every series named `stack + key`, in numeric key order
+    each: str | None = None  # besides `lines`, a marked line for every series named `each + key` (key: a target)
     ylim: tuple[float, float] | None = None
 
 
@@ -60,6 +63,7 @@ class Chart:
     missing: str  # what the note says when none of the chart's series has data
     summary: bool = True  # its first panel is one cell of summary.png
     xlabel: str = "learner step"
+    requires: str | None = None  # a series without which the chart is skipped (its panels may share others)
 
 
 def charts(window: int) -> tuple[Chart, ...]:
@@ -94,6 +98,26 @@ def charts(window: int) -> tuple[Chart, ...]:
             "Held-out accuracy (pass@1)",
             (Panel("pass@1", (Line("eval_accuracy", "held-out accuracy", "o-", width=2.2),), ylim=(-0.02, 1.02)),),
             "no eval records (`intellect eval --metrics`)",
+        ),
+        Chart(
+            "length_targets",
+            "Length targets (held-out, greedy)",
+            (
+                Panel(
+                    "mean |length - target| (tokens)",
+                    (Line("eval_length_abs_err", "mean over targets", "s--", width=2.4),),
+                    each="eval_length_abs_err/",
+                ),
+                Panel(
+                    "pass@1",
+                    (Line("eval_accuracy", "all targets", "s--", width=2.4),),
+                    each="eval_accuracy/",
+                    ylim=(-0.02, 1.02),
+                ),
+                Panel("mean length (tokens)", each="eval_length_mean/"),
+            ),
+            "no eval records with length targets (data.length_targets)",
+            requires="eval_length_abs_err",
         ),
         Chart(
             "completion_length",
@@ -265,6 +289,10 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
     evals, repeated_evals = _latest_per_step(records, "eval")
     _column(evals, "accuracy", "eval_accuracy", out)
     _column(evals, "mean_completion_len", "eval_completion_len", out)
+    _column(evals, "length_abs_err", "eval_length_abs_err", out)
+    per_target = {k for r in evals for k in r if k.startswith(("length_abs_err/", "length_mean/", "accuracy/"))}
+    for key in sorted(per_target):
+        _column(evals, key, f"eval_{key}", out)
     sft, repeated_sft = _latest_per_step(records, "sft")
     _column(sft, "loss", "sft_loss", out)
     _column(sft, "accuracy", "sft_accuracy", out)
@@ -288,7 +316,14 @@ def _panel_series(panel: Panel, series: Series) -> list[Line]:
         return [
             Line(name, f"{name.removeprefix(panel.stack)} behind") for name in series if name.startswith(panel.stack)
         ]
-    return [line for line in panel.lines if line.series in series]
+    lines = [line for line in panel.lines if line.series in series]
+    if panel.each is not None:
+        keys = sorted(
+            (name.removeprefix(panel.each) for name in series if name.startswith(panel.each)),
+            key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k),
+        )
+        lines += [Line(panel.each + k, f"target {k}", "o-", width=1.8) for k in keys]
+    return lines
 
 
 def draw_panel(ax, panel: Panel, series: Series, xlabel: str) -> None:
@@ -319,7 +354,7 @@ def render(chart: Chart, series: Series):
     from matplotlib.figure import Figure
 
     panels = [p for p in chart.panels if _panel_series(p, series)]
-    if not panels:
+    if not panels or (chart.requires is not None and chart.requires not in series):
         return None
     fig = Figure(figsize=(8, 3.2 + 2.6 * len(panels)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
@@ -338,7 +373,7 @@ def render_summary(chart_list: tuple[Chart, ...], series: Series):
     cells = [
         (c, p)
         for c in chart_list
-        if c.summary
+        if c.summary and (c.requires is None or c.requires in series)
         for p in [next((p for p in c.panels if _panel_series(p, series)), None)]
         if p is not None
     ]

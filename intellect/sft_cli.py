@@ -1,10 +1,15 @@
 """`intellect sft CONFIG [--steps N] [--lr LR] [--batch-size B] [--out DIR]`: supervised warm start before RL.
 
 The examples are the config's training tasks (`intellect.tasks_setup.training_tasks(cfg.data)`): the prompt
-exactly as workers build it (chat template, `data.system_prompt`, no length target) and, as the completion,
-the task's reference answer followed by the token the chat template closes an assistant turn with (for ChatML
-`<|im_end|>`, one of the ids vLLM stops on), so that the tuned model answers and stops the way the reward and
-the engine expect. Tasks are drawn in a shuffled order (`trainer.seed`), epoch after epoch.
+exactly as workers build it (chat template, `data.system_prompt`) and, as the completion, the task's reference
+answer followed by the token the chat template closes an assistant turn with (for ChatML `<|im_end|>`, one of
+the ids vLLM stops on), so that the tuned model answers and stops the way the reward and the engine expect.
+Tasks are drawn in a shuffled order (`trainer.seed`), epoch after epoch.
+
+With `data.length_targets` each prompt states a target drawn from them, as a worker's does; with
+`run.sft_think_lines` the completion writes the answer on k lines (k drawn from that list). The two draws are
+independent (a seeded stream of their own), so the warm start teaches the format and a spread of lengths but
+not which length a target asks for: that is left for RL to learn from the length reward.
 
 Training runs in `jax_trainer.sft` on the learner's mesh and model settings (`[trainer]` mesh axes,
 `[model]` dtypes and remat, rows of `trainer.micro_batch_size` x `model.max_seq_len`). The optimizer is the
@@ -58,18 +63,25 @@ def completion_tokens(tokenizer, prompt: list[int], messages: list[dict], answer
 
 
 def build_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], list[int]]]:
+    import numpy as np
+
     from gpu_workers.tasks import prompt_text, prompt_tokens
     from intellect.config import ConfigError
     from intellect.tasks_setup import training_tasks
 
+    targets, lines = cfg.data.length_targets, cfg.run.sft_think_lines
+    draw = np.random.default_rng([cfg.trainer.seed, 2])  # its own stream: the batch order's is trainer.seed
     examples = []
     for i, task in enumerate(training_tasks(cfg.data)):
         if task.answer is None:
             raise ConfigError(f"data: training task {i} has no reference answer to fine-tune on")
-        prompt = prompt_tokens(task, tokenizer, 0, cfg.data.system_prompt)
+        target = int(targets[draw.integers(len(targets))]) if targets else 0
+        repeats = int(lines[draw.integers(len(lines))]) if lines else 1  # drawn apart from the target
+        prompt = prompt_tokens(task, tokenizer, target, cfg.data.system_prompt)
         messages = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-        messages.append({"role": "user", "content": prompt_text(task, 0)})
-        examples.append((prompt, completion_tokens(tokenizer, prompt, messages, task.answer, stop_ids)))
+        messages.append({"role": "user", "content": prompt_text(task, target)})
+        answer = "\n".join([task.answer] * repeats)
+        examples.append((prompt, completion_tokens(tokenizer, prompt, messages, answer, stop_ids)))
     return examples
 
 

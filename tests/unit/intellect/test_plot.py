@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parents[3]
 STEPS = 40
 EVAL_EVERY = 10
 LEARNER_CHARTS = {"reward", "completion_length", "staleness", "throughput", "loss", "summary"}
-ALL_CHARTS = LEARNER_CHARTS | {"heldout_accuracy", "verdicts", "sft"}
+ALL_CHARTS = LEARNER_CHARTS | {"heldout_accuracy", "length_targets", "verdicts", "sft"}
+TARGETS = (6, 12, 18)  # the evaluation's length targets
 
 
 def synthetic_run(seed: int = 0, roles=("sft", "learner", "eval", "pool")) -> tuple[list[dict], dict]:
@@ -36,6 +37,8 @@ def synthetic_run(seed: int = 0, roles=("sft", "learner", "eval", "pool")) -> tu
         "eval_steps": [],
         "eval_acc": [],
         "eval_len": [],
+        "eval_abs_err": {t: [] for t in TARGETS},
+        "eval_target_acc": {t: [] for t in TARGETS},
         "pool_steps": [],
         "accepted": [],
         "rejected": [],
@@ -104,6 +107,15 @@ def synthetic_run(seed: int = 0, roles=("sft", "learner", "eval", "pool")) -> tu
             raw["eval_steps"].append(step)
             raw["eval_acc"].append(float(rng.uniform(0, 1)))
             raw["eval_len"].append(float(rng.uniform(5, 30)))
+            per_target = {}
+            for t in TARGETS:
+                raw["eval_abs_err"][t].append(float(rng.uniform(0, 12)))
+                raw["eval_target_acc"][t].append(float(rng.uniform(0, 1)))
+                per_target |= {
+                    f"length_abs_err/{t}": raw["eval_abs_err"][t][-1],
+                    f"length_mean/{t}": float(t),
+                    f"accuracy/{t}": raw["eval_target_acc"][t][-1],
+                }
             records.append(
                 {
                     "role": "eval",
@@ -114,6 +126,8 @@ def synthetic_run(seed: int = 0, roles=("sft", "learner", "eval", "pool")) -> tu
                     "samples": 1,
                     "mean_completion_len": raw["eval_len"][-1],
                     "version": step,
+                    "length_abs_err": float(np.mean([raw["eval_abs_err"][t][-1] for t in TARGETS])),
+                    **per_target,
                 }
             )
         if "pool" in roles and step % 3 == 0:
@@ -187,6 +201,10 @@ def test_series_equal_the_input():
     check("clip_high_frac", steps, raw["clip_high"])
     check("eval_accuracy", raw["eval_steps"], raw["eval_acc"])
     check("eval_completion_len", raw["eval_steps"], raw["eval_len"])
+    for t in TARGETS:
+        check(f"eval_length_abs_err/{t}", raw["eval_steps"], raw["eval_abs_err"][t])
+        check(f"eval_accuracy/{t}", raw["eval_steps"], raw["eval_target_acc"][t])
+    check("eval_length_abs_err", raw["eval_steps"], np.mean([raw["eval_abs_err"][t] for t in TARGETS], axis=0))
     check("accepted_batches", raw["pool_steps"], raw["accepted"])
     check("rejected_batches", raw["pool_steps"], raw["rejected"])
     check("sft_loss", np.arange(1, 11), raw["sft_loss"])
@@ -212,6 +230,16 @@ def test_drawn_lines_carry_the_series():
     lines = {line.get_label(): line for line in fig.axes[0].lines}
     np.testing.assert_array_equal(lines["accepted"].get_xdata(), raw["pool_steps"])
     np.testing.assert_array_equal(lines["rejected"].get_ydata(), raw["rejected"])
+    fig = render(by_name["length_targets"], series)  # a line per target, each with its own draws
+    errors = {line.get_label(): line for line in fig.axes[0].lines}
+    assert set(errors) == {"mean over targets"} | {f"target {t}" for t in TARGETS}
+    for t in TARGETS:
+        np.testing.assert_array_equal(errors[f"target {t}"].get_xdata(), raw["eval_steps"])
+        np.testing.assert_allclose(errors[f"target {t}"].get_ydata(), raw["eval_abs_err"][t])
+    accuracy = {line.get_label(): line for line in fig.axes[1].lines}
+    np.testing.assert_allclose(accuracy["all targets"].get_ydata(), raw["eval_acc"])
+    no_targets = [{k: v for k, v in r.items() if "/" not in k and k != "length_abs_err"} for r in records]
+    assert render(by_name["length_targets"], build_series(no_targets)[0]) is None  # accuracy alone draws none
 
 
 def test_every_chart_is_written_as_a_png(tmp_path):
