@@ -44,6 +44,7 @@ class Line:
     fmt: str = "-"  # matplotlib format: "-" a line, "o-" marked points, "o" points only
     width: float = 1.6
     alpha: float = 1.0
+    color: str | None = None  # matplotlib colour (None: the next of the cycle)
 
 
 @dataclass(frozen=True)
@@ -105,12 +106,12 @@ def charts(window: int) -> tuple[Chart, ...]:
             (
                 Panel(
                     "mean |length - target| (tokens)",
-                    (Line("eval_length_abs_err", "mean over targets", "s--", width=2.4),),
+                    (Line("eval_length_abs_err", "mean over targets", "s--", width=2.4, color="C0"),),
                     each="eval_length_abs_err/",
                 ),
                 Panel(
                     "pass@1",
-                    (Line("eval_accuracy", "all targets", "s--", width=2.4),),
+                    (Line("eval_accuracy", "all targets", "s--", width=2.4, color="C0"),),
                     each="eval_accuracy/",
                     ylim=(-0.02, 1.02),
                 ),
@@ -322,7 +323,8 @@ def _panel_series(panel: Panel, series: Series) -> list[Line]:
             (name.removeprefix(panel.each) for name in series if name.startswith(panel.each)),
             key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else 0, k),
         )
-        lines += [Line(panel.each + k, f"target {k}", "o-", width=1.8) for k in keys]
+        # a target keeps its colour in every panel (C0 is left to the panel's own lines)
+        lines += [Line(panel.each + k, f"target {k}", "o-", width=1.8, color=f"C{i + 1}") for i, k in enumerate(keys)]
     return lines
 
 
@@ -339,7 +341,16 @@ def draw_panel(ax, panel: Panel, series: Series, xlabel: str) -> None:
     else:
         for line in present:
             steps, values = series[line.series]
-            ax.plot(steps, values, line.fmt, label=line.label, linewidth=line.width, alpha=line.alpha, markersize=5)
+            ax.plot(
+                steps,
+                values,
+                line.fmt,
+                label=line.label,
+                linewidth=line.width,
+                alpha=line.alpha,
+                markersize=5,
+                color=line.color,
+            )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(panel.ylabel)
     if panel.ylim is not None:
