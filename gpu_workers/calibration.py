@@ -1,0 +1,66 @@
+"""The replay check's logit tolerance measured for one model: honest cross-engine errors between competing tokens.
+
+The replay check (`gpu_workers.checks.check_replay_batch`) accepts a token whose noisy score z_t + g_t is within
+2 d / T of the best noisy score, d being `[validator] replay_logit_tolerance`. The validator's gap between the
+submitted token t and the best token b is off from the worker's by (e_b - e_t) / T, e being each raw logit's
+difference between the two engines (validator - worker). What the margin must hold is |e_b - e_t| for tokens
+that compete: those whose noisy scores come near the best, for they are the only ones a rounding error can put
+on top. A token far below the best never needs the margin, and its error, larger where logits are large and
+negative, says nothing about the replay.
+
+`competing_spreads` measures that per position from the worker's listed logprobs (its top tokens and the
+sampled one; at temperature 1 and top-p 1 logprob differences are raw logit differences) against the
+validator's logits and the sample's seed; `replay_tolerance` turns the largest into a tolerance with a safety
+factor. `benchmarks/replay_margin.py` runs both for a pool's model and prints the setting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+COMPETING_WINDOW = 3.0
+"""Tokens whose noisy score is within this many logits (at temperature 1) of the best compete at a position:
+twice the bfloat16 default margin (1.5), so every token any configured margin could accept is among them."""
+
+
+def competing_spreads(
+    listed: Sequence[Mapping[int, float]],
+    validator_logits,
+    seed: int,
+    window: float = COMPETING_WINDOW,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per position of one honest completion (temperature 1, top-p 1): the spread max(e) - min(e), e = worker
+    logprob - validator logprob, over (a) the listed tokens whose noisy score under the validator's logits and
+    the seed's noise is within `window` of the best listed one, and (b) all listed tokens. `listed[j]` maps
+    token -> the worker's logprob at completion position j; `validator_logits` is [n, vocab]."""
+    import torch
+
+    from gpu_workers.replay import noise_at
+
+    lp = torch.log_softmax(torch.as_tensor(validator_logits).float(), dim=-1)
+    competing, every = np.zeros(len(listed)), np.zeros(len(listed))
+    for j, entries in enumerate(listed):
+        ids = np.fromiter(entries, dtype=np.int64, count=len(entries))
+        worker = np.fromiter(entries.values(), dtype=np.float64, count=len(entries))
+        ok = np.isfinite(worker)
+        ids, worker = ids[ok], worker[ok]
+        if len(ids) < 2:
+            continue
+        mine = lp[j, torch.as_tensor(ids)].double().numpy()
+        err = worker - mine
+        every[j] = float(err.max() - err.min())
+        noisy = mine + noise_at([int(seed)] * len(ids), [j] * len(ids), torch.as_tensor(ids)).double().numpy()
+        near = noisy >= noisy.max() - window
+        competing[j] = float(err[near].max() - err[near].min()) if near.sum() > 1 else 0.0
+    return competing, every
+
+
+def replay_tolerance(largest_spread: float, safety: float = 2.0) -> float:
+    """The `replay_logit_tolerance` d whose margin 2 d holds `safety` x the largest competing spread (rounded up
+    to 0.01, at least 0.01)."""
+    if not 0 <= largest_spread < math.inf or not 1 <= safety < math.inf:
+        raise ValueError(f"spread must be finite and >= 0, safety finite and >= 1; got {largest_spread} and {safety}")
+    return max(0.01, math.ceil(100 * safety * largest_spread / 2 - 1e-9) / 100)

@@ -1,0 +1,178 @@
+"""The replay tolerance's calibration (`gpu_workers.calibration`) against independent references.
+
+`competing_spreads` is checked on positions built so that the competing set is known by construction: the
+validator's logits put each listed token's noisy score (logit + the seed's noise at that position) where the
+test wants it, and the worker's logprobs are the validator's plus chosen errors and a per-row constant (a
+different log-normaliser, which a spread must ignore). A random case is checked against a numpy
+recomputation. The noise itself is `gpu_workers.replay.noise_at`, tested against a numpy hash in
+test_replay.py. `replay_tolerance` is checked against exact decimal arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from decimal import ROUND_CEILING, Decimal
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_workers.calibration import COMPETING_WINDOW, competing_spreads, replay_tolerance
+from gpu_workers.replay import noise_at
+
+VOCAB = 64
+SEED = 123456789
+
+
+def _noise(seed: int, position: int, ids) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64)
+    return noise_at([seed] * len(ids), [position] * len(ids), torch.as_tensor(ids)).double().numpy()
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+
+
+def _build(rows, seed: int = SEED):
+    """rows: per position, (ids, noisy scores wanted under the validator, worker errors, row constant).
+    The validator's logits place each listed token's noisy score exactly there (unlisted tokens far below);
+    the worker's logprob is the validator's + error + constant."""
+    logits = np.full((len(rows), VOCAB), -40.0, dtype=np.float32)
+    for j, (ids, scores, _, _) in enumerate(rows):
+        logits[j, ids] = np.asarray(scores) - _noise(seed, j, ids)
+    lp = _log_softmax(logits)
+    listed = [
+        {int(t): float(lp[j, t] + e + c) for t, e in zip(ids, errors)} for j, (ids, _, errors, c) in enumerate(rows)
+    ]
+    return listed, logits
+
+
+def test_spreads_over_the_competing_tokens_and_over_every_listed_token():
+    rows = [
+        # within 3 of the best: tokens 5, 9 and 11 (2.9 below); 2 (3.1 below) and 40 (8 below) do not compete
+        ([5, 9, 11, 2, 40], [1.0, 0.2, -1.9, -2.1, -7.0], [0.1, -0.05, 0.2, 0.9, -1.5], 0.3),
+        # one token competes alone: its competing spread is 0, the listed spread is not
+        ([7, 8, 30], [4.0, 0.5, -6.0], [0.0, 0.4, -0.6], -1.2),
+        # every listed token competes (dict order is not score order)
+        ([33, 1, 17], [-0.5, 0.0, -2.5], [0.25, -0.125, 0.0], 0.0),
+        # a single listed token: nothing to spread
+        ([12], [0.0], [0.7], 0.5),
+    ]
+    listed, logits = _build(rows)
+    competing, every = competing_spreads(listed, logits, SEED)
+    np.testing.assert_allclose(competing, [0.25, 0.0, 0.375, 0.0], atol=1e-5)
+    np.testing.assert_allclose(every, [2.4, 1.0, 0.375, 0.0], atol=1e-5)
+    assert competing.shape == every.shape == (4,)
+
+
+def test_window_sets_which_tokens_compete():
+    rows = [([3, 4, 6, 10], [0.0, -1.0, -2.0, -3.5], [0.0, 0.3, -0.4, 1.0], 0.0)]
+    listed, logits = _build(rows)
+    assert competing_spreads(listed, logits, SEED, window=0.5)[0][0] == pytest.approx(0.0, abs=1e-5)
+    assert competing_spreads(listed, logits, SEED, window=1.5)[0][0] == pytest.approx(0.3, abs=1e-5)
+    assert competing_spreads(listed, logits, SEED)[0][0] == pytest.approx(0.7, abs=1e-5)  # window 3
+    assert competing_spreads(listed, logits, SEED, window=4.0)[0][0] == pytest.approx(1.4, abs=1e-5)
+    assert COMPETING_WINDOW == 3.0  # twice the bfloat16 default margin, 2 x 0.75
+
+
+def test_the_seeds_noise_decides_which_tokens_compete():
+    """The same logits under another seed: the noisy scores move, so the competing set does; the all-listed
+    spread does not depend on the seed."""
+    rows = [([5, 9, 11, 2, 40], [1.0, 0.2, -1.9, -2.1, -7.0], [0.1, -0.05, 0.2, 0.9, -1.5], 0.3)]
+    listed, logits = _build(rows)
+    ids = np.array([5, 9, 11, 2, 40])
+    lp = _log_softmax(logits)[0, ids]
+    errors = np.array([0.1, -0.05, 0.2, 0.9, -1.5])
+
+    def near(seed: int) -> np.ndarray:
+        noisy = lp + _noise(seed, 0, ids)
+        return noisy >= noisy.max() - 3.0
+
+    assert list(near(SEED)) == [True, True, True, False, False]
+    other = next(s for s in range(1000) if near(s)[3] and near(s).sum() >= 2)  # token 2 competes there
+    competing, every = competing_spreads(listed, logits, other)
+    chosen = errors[near(other)]
+    assert competing[0] == pytest.approx(chosen.max() - chosen.min(), abs=1e-5)
+    assert competing[0] >= 0.9 - 0.2 - 1e-5  # token 2's error 0.9 against at most 0.2 (or -1.5) for the rest
+    assert every[0] == pytest.approx(2.4, abs=1e-5)
+
+
+def test_unlisted_and_minus_infinity_entries_are_left_out():
+    """-inf logprobs (vLLM lists them for tokens outside a nucleus) carry no error; they are dropped."""
+    rows = [([5, 9, 11], [0.0, -0.5, -1.0], [0.2, 0.0, -0.1], 0.0)]
+    listed, logits = _build(rows)
+    listed[0][50] = -math.inf
+    competing, every = competing_spreads(listed, logits, SEED)
+    assert competing[0] == pytest.approx(0.3, abs=1e-5)
+    assert every[0] == pytest.approx(0.3, abs=1e-5)
+
+
+def test_random_positions_match_a_numpy_recomputation():
+    rng = np.random.default_rng(7)
+    n, seed = 24, 2**40 + 3
+    logits = (rng.normal(size=(n, VOCAB)) * 2.5).astype(np.float32)
+    lp = _log_softmax(logits)
+    listed, ids_of, err_of = [], [], []
+    for j in range(n):
+        ids = rng.choice(VOCAB, size=int(rng.integers(1, 12)), replace=False)
+        errors, shift = rng.normal(scale=0.2, size=len(ids)), rng.normal()
+        listed.append({int(t): float(lp[j, t] + e + shift) for t, e in zip(ids, errors)})
+        ids_of.append(ids)
+        err_of.append(errors)
+    want_competing, want_every = np.zeros(n), np.zeros(n)
+    for j, (ids, errors) in enumerate(zip(ids_of, err_of)):
+        if len(ids) < 2:
+            continue
+        noisy = lp[j, ids] + _noise(seed, j, ids)
+        near = noisy >= noisy.max() - COMPETING_WINDOW
+        want_every[j] = errors.max() - errors.min()
+        want_competing[j] = errors[near].max() - errors[near].min()
+    competing, every = competing_spreads(listed, logits, seed)
+    np.testing.assert_allclose(competing, want_competing, atol=1e-5)
+    np.testing.assert_allclose(every, want_every, atol=1e-5)
+    assert (competing <= every + 1e-9).all()
+    assert 0 < (competing < every - 1e-3).sum() < n  # the competing set differs from the listed one somewhere
+
+
+def _tolerance_ref(spread: str, safety: str) -> float:
+    """The smallest multiple of 0.01 that is at least safety x spread / 2, and at least 0.01, in exact decimals."""
+    d = (Decimal(spread) * Decimal(safety) / 2).quantize(Decimal("0.01"), rounding=ROUND_CEILING)
+    return float(max(d, Decimal("0.01")))
+
+
+@pytest.mark.parametrize(
+    ("spread", "safety"),
+    [
+        ("0.875", "2"),  # 0.875 -> 0.88
+        ("0.125", "2"),  # 0.125 -> 0.13
+        ("0.3", "2"),
+        ("0.07", "2"),  # 100 x 2 x 0.07 / 2 is 7.000000000000001 in floats: still 0.07, not 0.08
+        ("0.28", "1.5"),  # 21.000000000000004 in floats: 0.21
+        ("0.29", "2"),
+        ("0.5", "1"),  # no safety: half the spread holds it
+        ("0.5", "3"),
+        ("0.25", "1.5"),
+        ("0.333", "2"),
+        ("0", "2"),  # the minimum
+        ("0.001", "2"),
+        ("0.01", "1"),
+        ("4.2", "2"),
+    ],
+)
+def test_tolerance_is_safety_times_half_the_spread_rounded_up_to_a_hundredth(spread, safety):
+    d = replay_tolerance(float(spread), float(safety))
+    assert d == pytest.approx(_tolerance_ref(spread, safety), abs=1e-12)
+    assert 2 * d >= float(safety) * float(spread) - 1e-9  # the margin 2 d holds safety x the spread
+
+
+def test_tolerance_default_safety_is_two():
+    assert replay_tolerance(0.875) == pytest.approx(0.88)
+    assert replay_tolerance(0.0) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize(("spread", "safety"), [(-0.1, 2.0), (math.nan, 2.0), (math.inf, 2.0), (0.5, 0.5)])
+def test_tolerance_refuses_a_negative_or_undefined_spread_and_a_safety_below_one(spread, safety):
+    with pytest.raises(ValueError):
+        replay_tolerance(spread, safety)
