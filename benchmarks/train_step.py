@@ -133,7 +133,7 @@ def worker_jax(args) -> None:
 
     def setup():
         mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
-        model = load_hf(args.model_dir, mesh=mesh, verify=False)
+        model = load_hf(args.model_dir, mesh=mesh, verify=False, scan_layers=args.scan_layers)
         optim = OptimConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP, warmup_steps=0
         )
@@ -318,6 +318,12 @@ def main() -> None:
         help="leave glibc's malloc as it is (jax_trainer.host.retain_freed_memory is what "
         "`intellect train` does by default, trainer.retain_host_memory)",
     )
+    ap.add_argument(
+        "--no-scan-layers",
+        dest="scan_layers",
+        action="store_false",
+        help="the JAX side with unrolled layers (`[model] scan_layers = false`): A/B against the scanned default",
+    )
     ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -361,6 +367,7 @@ def main() -> None:
                 "seq": args.seq,
                 "batch": args.batch,
                 "dtype": "float32",
+                "scan_layers": args.scan_layers,
                 "tokens_per_step": tokens,
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,
