@@ -2,11 +2,13 @@
 `from _common import ...`).
 
 `OrchestratorProcess` starts `intellect orchestrator` as a child process on this machine, exactly as a user
-starts it, and waits until it answers. `free_port` is the launcher's.
+starts it, and waits until it answers. `free_port` is the launcher's. `peaked_copy` makes a peaked policy from a
+model directory.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +17,19 @@ from pathlib import Path
 
 from intellect.launcher import free_port
 
-__all__ = ["OrchestratorProcess", "free_port"]
+__all__ = ["OrchestratorProcess", "free_port", "peaked_copy"]
+
+
+def peaked_copy(model: Path, out: Path, scale: float) -> Path:
+    """A copy of the HF model directory `model` at `out` whose final norm is scaled by `scale` (every logit scales
+    with it: a peaked policy for scale > 1)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k: v * scale if k == "model.norm.weight" else v for k, v in tensors.items()}, str(f))
+    return out
 
 
 class OrchestratorProcess:

@@ -31,18 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import peaked_copy  # noqa: E402
+
 from gpu_workers.checks import Declared, Sample, SamplingTolerance, stop_token_ids, validate_batch  # noqa: E402
-
-
-def _peaked(model: Path, out: Path, scale: float) -> Path:
-    """A copy of `model` whose final norm is scaled by `scale` (its logits scale with it)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model, out)
-    tensors = load_file(str(model / "model.safetensors"))
-    scaled = {k: v * scale if k == "model.norm.weight" else v for k, v in tensors.items()}
-    save_file(scaled, str(out / "model.safetensors"))
-    return out
 
 
 def _lengths(text: str) -> list[tuple[int, int]]:
@@ -77,7 +68,7 @@ def main() -> int:
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="honest-calibration-"))
     flat = make_tiny_model(work / "flat")
-    models = {"flat": flat, "peaked": _peaked(flat, work / "peaked", 4.0)}
+    models = {"flat": flat, "peaked": peaked_copy(flat, work / "peaked", 4.0)}
     stops = stop_token_ids(flat)
     rng = np.random.default_rng(0)
     settings, worst = (

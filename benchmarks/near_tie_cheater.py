@@ -37,6 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import peaked_copy  # noqa: E402
+
 from gpu_workers.checks import (  # noqa: E402
     Declared,
     Sample,
@@ -46,17 +48,6 @@ from gpu_workers.checks import (  # noqa: E402
     stop_token_ids,
     validate_batch,
 )
-
-
-def _scaled(model: Path, out: Path, scale: float) -> Path:
-    """A copy of `model` whose final norm is scaled by `scale` (its logits scale with it)."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model, out)
-    for f in out.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        save_file({k: v * scale if k == "model.norm.weight" else v for k, v in tensors.items()}, str(f))
-    return out
 
 
 def main() -> int:
@@ -88,7 +79,7 @@ def main() -> int:
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="near-tie-cheater-"))
-    model = _scaled(args.model, work / "policy", args.peak) if args.peak != 1.0 else args.model
+    model = peaked_copy(args.model, work / "policy", args.peak) if args.peak != 1.0 else args.model
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     stops = stop_token_ids(model)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
