@@ -7,10 +7,8 @@ tokens/s, the gradient of a log-softmax gather alone, a scatter plus a strided t
 PyTorch's whole step; with these three functions the step reaches 0.9-1.0x):
 
 - `dense`: a contraction accumulating in float32. The backward pass is two contractions in the compute dtype
-  with float32 accumulation, written so that both come out in the layout the caller needs (no bf16
-  accumulation of weight gradients over the whole batch); the weight gradient's contraction over the tokens
-  copies the smaller of its two operands into a transposed layout (the incoming gradient, not the input, for
-  the MLP's down projection), unless the input's copy is shared with other projections.
+  with float32 accumulation, written so that both come out in the layout the caller needs (no transposes of
+  the gradient, no bf16 accumulation of weight gradients over the whole batch).
 - `causal_attention`: softmax(q k^T / sqrt(d)) v under a causal mask, computed head-major, in query blocks
   that only visit the keys at or before the block (fully masked blocks are skipped, not multiplied and
   discarded). The backward pass recomputes the probabilities from the saved row log-sum-exp instead of
@@ -37,37 +35,25 @@ def _contract(a: jax.Array, b: jax.Array, a_dims, b_dims) -> jax.Array:
     return jax.lax.dot_general(a, b, ((tuple(a_dims), tuple(b_dims)), ((), ())), preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype, shared_input: bool = False) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
     """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32;
-    the result is in `dtype`.
-
-    `shared_input`: x also feeds other projections (q/k/v, gate/up). The backward pass only uses it to pick the
-    operand of the weight gradient that XLA:CPU copies into a transposed layout (`_dense_bwd`)."""
+    the result is in `dtype`."""
     lead = x.ndim - contract
     return _contract(x.astype(dtype), kernel.astype(dtype), range(lead, x.ndim), range(contract)).astype(dtype)
 
 
-def _dense_fwd(x, kernel, contract, dtype, shared_input):
-    return dense(x, kernel, contract, dtype, shared_input), (x, kernel)
+def _dense_fwd(x, kernel, contract, dtype):
+    return dense(x, kernel, contract, dtype), (x, kernel)
 
 
-def _dense_bwd(contract, dtype, shared_input, res, g):
+def _dense_bwd(contract, dtype, res, g):
     x, kernel = res
     xc, kc, g = x.astype(dtype), kernel.astype(dtype), g.astype(dtype)
     lead = x.ndim - contract
     # dx[..., in] = sum_out g[..., out] kernel[in, out];  dk[in, out] = sum_lead x[lead, in] g[lead, out]
     dx = _contract(g, kc, range(lead, g.ndim), range(contract, kc.ndim))
-    # XLA:CPU runs a contraction over the leading (token) dims by first copying its left operand into a
-    # transposed layout. That operand is x, whose copy the weight gradients of every projection reading the same
-    # x share, unless x is read by this projection alone and is the larger of the two (the MLP's down
-    # projection: [tokens, intermediate] against [tokens, hidden]); then it is g, and the weight-sized result is
-    # transposed back
-    if shared_input or math.prod(x.shape[lead:]) <= math.prod(g.shape[lead:]):
-        dk = _contract(xc, g, range(lead), range(lead))
-    else:
-        out = g.ndim - lead
-        dk = _contract(g, xc, range(lead), range(lead)).transpose(*range(out, out + contract), *range(out))
+    dk = _contract(xc, g, range(lead), range(lead))
     return dx.astype(x.dtype), dk.astype(kernel.dtype)
 
 

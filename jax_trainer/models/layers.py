@@ -41,14 +41,13 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str, std: float = 0.
     return nnx.Param(value, axes=tuple(axes), init=(init, std))
 
 
-def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype, shared_input: bool = False) -> jax.Array:
+def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
     """Contract the last `contract` dims of x with the first `contract` dims of kernel, accumulating in f32
-    (`jax_trainer.kernels.dense`: its backward pass is written by hand; `shared_input`: x also feeds other
-    projections).
+    (`jax_trainer.kernels.dense`: its backward pass is written by hand).
 
     The result is named `DENSE_NAME` for the remat policies: XLA-level "save the dots" policies cannot see the
     dot inside the custom-VJP kernel, a checkpoint name can."""
-    return checkpoint_name(kernels.dense(x, kernel, contract, dtype, shared_input), DENSE_NAME)
+    return checkpoint_name(kernels.dense(x, kernel, contract, dtype), DENSE_NAME)
 
 
 class RMSNorm(nnx.Module):
@@ -124,9 +123,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        q = dense(x, self.q_proj[...], 1, dt, shared_input=True)
-        k = dense(x, self.k_proj[...], 1, dt, shared_input=True)
-        v = dense(x, self.v_proj[...], 1, dt, shared_input=True)
+        q = dense(x, self.q_proj[...], 1, dt)
+        k = dense(x, self.k_proj[...], 1, dt)
+        v = dense(x, self.v_proj[...], 1, dt)
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -162,8 +161,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = dense(x, self.gate_proj[...], 1, dt, shared_input=True)
-        up = dense(x, self.up_proj[...], 1, dt, shared_input=True)
+        gate = dense(x, self.gate_proj[...], 1, dt)
+        up = dense(x, self.up_proj[...], 1, dt)
         if self.bias:
             gate = gate + self.gate_bias[...].astype(dt)
             up = up + self.up_bias[...].astype(dt)
