@@ -14,7 +14,11 @@ the cheater's (accepted batches only: a rejected batch trains nothing), the gain
 and the near-tie choices bought, as a share of the batches' tokens; and the honest batches' own near ties (their
 share of tokens, cost per token, and largest gap as a share of the margin), the rate the budgets must allow.
 
-`--peak` scales the policy's final norm (its logits) to make a peaked policy; `--tolerance` sets the replay's
+`--ledger RATE[,SLACK]` adds the worker's near-tie ledger (`[orchestrator] near_tie_rate` and `near_tie_slack`,
+`orchestrator.scheduler.near_tie_allowance`): the orchestrator rejects a batch that would take the worker's
+accepted batches' near-tie cost over RATE x their tokens + SLACK, and the cheater, knowing it, spends no more
+than what its allowance has left (the honest batches are held to their own ledger alike). `--peak` scales the
+policy's final norm (its logits) to make a peaked policy; `--tolerance` sets the replay's
 logit tolerance (`[validator] replay_logit_tolerance`; default: the dtype's), `--near-ties` the budgets as
 `per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names).
 
@@ -62,6 +66,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--peak", type=float, default=1.0, help="scale the final norm (logits) by this")
     p.add_argument("--tolerance", type=float, default=None, help="replay_logit_tolerance (default: the dtype's)")
+    p.add_argument("--tie", type=float, default=None, help="tie_logit_tolerance (default: the replay tolerance)")
+    p.add_argument("--logprob", type=float, default=None, help="max_logprob_diff (default: the dtype's)")
+    p.add_argument("--ledger", default=None, help="RATE[,SLACK]: the orchestrator's near-tie ledger (slack 2)")
     p.add_argument("--near-ties", default=None, help="per_sample,per_token,per_batch_token budgets")
     p.add_argument("--digits", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
@@ -76,8 +83,22 @@ def main() -> int:
     from gpu_workers.rewards import sample_reward
     from gpu_workers.tasks import prompt_tokens, synthetic_tasks
     from gpu_workers.toploc import build_proofs
+    from orchestrator.scheduler import near_tie_allowance
 
     started = time.monotonic()
+    ledger_rate, ledger_slack = None, 2.0
+    if args.ledger:
+        ledger_rate, *rest = (float(x) for x in args.ledger.split(","))
+        ledger_slack = rest[0] if rest else ledger_slack
+    # (near-tie cost, tokens) of each party's batches the orchestrator accepted so far
+    spent = {"honest": [0.0, 0], "cheat": [0.0, 0]}
+
+    def ledger_ok(party: str, cost: float, tokens: int) -> bool:
+        if ledger_rate is None:
+            return True
+        total, judged = spent[party]
+        return total + cost <= near_tie_allowance(ledger_rate, ledger_slack, judged + tokens)
+
     work = Path(tempfile.mkdtemp(prefix="near-tie-cheater-"))
     model = peaked_copy(args.model, work / "policy", args.peak) if args.peak != 1.0 else args.model
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -86,7 +107,9 @@ def main() -> int:
     eos = im_end if im_end in stops else min(stops)  # what a chat-tuned policy ends its answer with
     n_tasks = args.batches * args.prompts
     tasks = synthetic_tasks("sort", n_tasks, seed=1000 + args.seed, digits=args.digits)
-    tolerance = SamplingTolerance(replay_logit_tolerance=args.tolerance)
+    tolerance = SamplingTolerance(
+        replay_logit_tolerance=args.tolerance, tie_logit_tolerance=args.tie, max_logprob_diff=args.logprob
+    )
     if args.near_ties:
         per_sample, per_token, per_batch_token = (float(x) for x in args.near_ties.split(","))
         tolerance = replace(
@@ -157,7 +180,14 @@ def main() -> int:
             rewards = [reward_of(t)(s) for t, s in zip(batch_tasks, honest)]
             honest = [replace(s, reward=r) for s, r in zip(honest, rewards)]
             verdict = validate_batch(honest, prefill, declared, reward_fn=by_sample(honest, batch_tasks))
-            totals["honest_accepted"] += int(verdict.accepted)
+            budget = next(v.numbers for v in verdict.batch_checks if "near_tie_cost" in v.numbers)
+            honest_ok = verdict.accepted and ledger_ok("honest", budget["near_tie_cost"], budget["tokens"])
+            if honest_ok:
+                spent["honest"][0] += budget["near_tie_cost"]
+                spent["honest"][1] += budget["tokens"]
+            totals["honest_accepted"] += int(honest_ok)
+            if not verdict.accepted:
+                print(f"batch {b}: the honest batch was rejected: {verdict.reasons(3)}", file=sys.stderr)
             honest_rewards += rewards
             replays = [v for s in verdict.samples for v in s.verdicts if v.check == "replay"]
             if len(replays) != len(honest):  # a sample the validator could not score: the swaps below need one each
@@ -187,7 +217,8 @@ def main() -> int:
             chosen = 0
             for _, i, rv, result in sorted(candidates, key=lambda c: c[0]):
                 trial = replays[:i] + [rv] + replays[i + 1 :]
-                if check_near_tie_budget(trial, tolerance).passed:
+                within = check_near_tie_budget(trial, tolerance)
+                if within.passed and ledger_ok("cheat", within.numbers["near_tie_cost"], within.numbers["tokens"]):
                     replays = trial
                     forged = forge(prompts[i], targets[i], seeds[i], result.logits, result.hidden)
                     samples[i] = replace(forged, reward=1.0)
@@ -195,15 +226,20 @@ def main() -> int:
                     totals["swapped"] += 1
             cheat = validate_batch(samples, prefill, declared, reward_fn=by_sample(samples, batch_tasks))
             tokens = sum(len(s.completion_tokens) for s in samples)
-            totals["cheat_accepted"] += int(cheat.accepted)
+            budget = next(v.numbers for v in cheat.batch_checks if "near_tie_cost" in v.numbers)
+            cheat_ok = cheat.accepted and ledger_ok("cheat", budget["near_tie_cost"], budget["tokens"])
+            if cheat_ok:
+                spent["cheat"][0] += budget["near_tie_cost"]
+                spent["cheat"][1] += budget["tokens"]
+            totals["cheat_accepted"] += int(cheat_ok)
             totals["samples"] += len(samples)
             totals["choices"] += chosen
             totals["tokens"] += tokens
-            if cheat.accepted:
+            if cheat_ok:
                 cheat_rewards += [r if r is not None else 0.0 for r in cheat.rewards()]
             print(
-                f"batch {b}: honest {'accepted' if verdict.accepted else 'REJECTED'} reward "
-                f"{np.mean(rewards):.3f}; cheat {'accepted' if cheat.accepted else 'REJECTED'} reward "
+                f"batch {b}: honest {'accepted' if honest_ok else 'REJECTED'} reward "
+                f"{np.mean(rewards):.3f}; cheat {'accepted' if cheat_ok else 'REJECTED'} reward "
                 f"{np.mean([s.reward for s in samples]):.3f}, {chosen} choices in {tokens} tokens",
                 file=sys.stderr,
             )
@@ -219,6 +255,9 @@ def main() -> int:
         "temperature": args.temperature,
         "top_p": args.top_p,
         "replay_logit_tolerance": args.tolerance,
+        "tie_logit_tolerance": args.tie,
+        "max_logprob_diff": args.logprob,
+        "ledger": [ledger_rate, ledger_slack] if ledger_rate is not None else None,
         "near_ties": [
             tolerance.near_ties_per_sample,
             tolerance.near_ties_per_token,

@@ -64,3 +64,48 @@ def replay_tolerance(largest_spread: float, safety: float = 2.0) -> float:
     if not 0 <= largest_spread < math.inf or not 1 <= safety < math.inf:
         raise ValueError(f"spread must be finite and >= 0, safety finite and >= 1; got {largest_spread} and {safety}")
     return max(0.01, math.ceil(100 * safety * largest_spread / 2 - 1e-9) / 100)
+
+
+def near_tie_gaps(tokens: Sequence[int], validator_logits, seed: int, temperature: float = 1.0) -> np.ndarray:
+    """The raw-logit gaps of one honest completion's near ties (top-p 1): at every position where its token is not
+    the validator's replayed choice, the best noisy score minus the token's, times the temperature. The replay
+    check prices a near tie by this gap (`SamplingTolerance.tie_logit_tolerance`); an honest worker's gaps are
+    the engines' rounding, which flips a choice only where two noisy scores almost touch."""
+    import torch
+
+    from gpu_workers.replay import noise_at, noisy_max
+
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    z = torch.as_tensor(validator_logits).float() / temperature
+    n = len(ids)
+    if z.ndim != 2 or z.shape[0] != n:
+        raise ValueError(f"{n} tokens for logits of shape {tuple(z.shape)}")
+    seeds, positions = [int(seed)] * n, list(range(n))
+    choice, best = noisy_max(z, seeds, positions)
+    score = z[torch.arange(n), ids] + noise_at(seeds, positions, ids)
+    off = choice != ids
+    return ((best - score)[off] * temperature).double().numpy()
+
+
+def tie_tolerance(largest_gap: float) -> float:
+    """The `tie_logit_tolerance` t whose tie margin 2 t holds the largest honest near-tie gap measured (rounded up
+    to 0.01, at least 0.01): honest near ties then cost under 1, a choice beyond every honest gap costs 1."""
+    if not 0 <= largest_gap < math.inf:
+        raise ValueError(f"gap must be finite and >= 0, got {largest_gap}")
+    return max(0.01, math.ceil(100 * largest_gap / 2 - 1e-9) / 100)
+
+
+def near_tie_rate(cost_per_token: float, safety: float = 2.0) -> float:
+    """The `[orchestrator] near_tie_rate` that gives `safety` x an honest worker's measured near-tie cost per
+    completion token (rounded up to 1e-4, at least 1e-4)."""
+    if not 0 <= cost_per_token < math.inf or not 1 <= safety < math.inf:
+        raise ValueError(f"cost must be finite and >= 0, safety finite and >= 1; got {cost_per_token} and {safety}")
+    return max(1e-4, math.ceil(1e4 * safety * cost_per_token - 1e-9) / 1e4)
+
+
+def logprob_tolerance(largest_diff: float, safety: float = 2.0) -> float:
+    """The `max_logprob_diff` (at temperature 1) that holds `safety` x the largest honest |stored - recomputed|
+    logprob measured (rounded up to 0.01, at least 0.01)."""
+    if not 0 <= largest_diff < math.inf or not 1 <= safety < math.inf:
+        raise ValueError(f"difference must be finite and >= 0, safety finite and >= 1; got {largest_diff} and {safety}")
+    return max(0.01, math.ceil(100 * safety * largest_diff - 1e-9) / 100)

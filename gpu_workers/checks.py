@@ -218,18 +218,25 @@ class SamplingTolerance:
     """Largest difference between the worker's and the validator's raw logits the replay check allows for
     (None: `REPLAY_LOGIT_TOLERANCE` of the pool's dtype). A token whose noisy score z_t + g_t falls short of
     the best noisy score by more than 2 x this / T is not the seed's choice."""
+    tie_logit_tolerance: float | None = None
+    """The logit scale near ties are priced on (None: the replay tolerance). A near tie whose noisy score is short
+    of the best by g costs `near_tie_floor` + (1 - `near_tie_floor`) x g / (2 t / T), t this: 1 at the tie
+    margin 2 t / T, more beyond it (up to replay / tie at the replay margin, which still bounds what passes).
+    Engines' rounding flips a choice only where the two best noisy scores almost touch: measured honest flips
+    had gaps of at most 0.03-0.18 raw logits on tiny bfloat16 policies, while a cheater's choices fall anywhere
+    in the 1.5-logit margin. `benchmarks/replay_margin.py` measures a model's honest flips and prints this."""
     near_tie_floor: float = 0.25
     """What a near tie (a token that passes the replay without being the validator's own choice) costs against
-    the budgets below: `near_tie_floor` + (1 - `near_tie_floor`) x its gap / the margin. Engines' rounding flips
-    a choice only where the two best noisy scores almost touch, so honest near ties have small gaps (an honest
-    bfloat16 worker at the Qwen2.5-0.5B shape: 3.7-4.7% of its tokens were near ties, none with a gap over 0.21
-    of the margin); a choice made on purpose anywhere inside the margin costs up to 1."""
+    the budgets below, at least: `near_tie_floor` + (1 - `near_tie_floor`) x its gap / the tie margin. Honest
+    near ties have small gaps (an honest bfloat16 worker at the Qwen2.5-0.5B shape: 3.7-4.7% of its tokens
+    were near ties, none with a gap over 0.21 of the default margin)."""
     near_ties_per_sample: float = 1.0
-    """Near-tie cost allowed per sample (and per batch) ..."""
+    """Near-tie cost allowed per sample ... (and the least a batch may spend: one near tie at the tie margin)"""
     near_ties_per_token: float = 0.05
     """... plus this much per completion token of the sample."""
     near_ties_per_batch_token: float = 0.02
-    """Near-tie cost allowed across the whole batch, per completion token (plus `near_ties_per_sample`)."""
+    """Near-tie cost allowed across the whole batch, per completion token (at least `near_ties_per_sample`: a
+    short batch is held to the same share of its tokens as a long one, not to a constant that dominates it)."""
 
 
 @dataclass(frozen=True)
@@ -550,7 +557,10 @@ def check_replay_batch(
     torch.set_num_threads(1)
     try:
         slack = tolerance.logit_tolerance / temperature  # the sampling check's: the nucleus it allows for
-        return _replay(completions, temperature, top_p, tolerance, 2 * d / temperature, slack, device)
+        t = tolerance.tie_logit_tolerance if tolerance.tie_logit_tolerance is not None else d
+        return _replay(
+            completions, temperature, top_p, tolerance, 2 * d / temperature, slack, device, 2 * t / temperature
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -563,12 +573,15 @@ def _replay(
     margin: float,
     slack: float,
     device: str = "cpu",
+    tie_margin: float | None = None,
 ) -> list[CheckVerdict]:
-    """`check_replay_batch`'s work, one completion at a time."""
+    """`check_replay_batch`'s work, one completion at a time; near ties are priced on `tie_margin` (default: the
+    margin)."""
     import torch
 
     from gpu_workers.replay import noise_at, noisy_max
 
+    tie_margin = margin if tie_margin is None else tie_margin
     verdicts = []
     for tokens, logits, seed in completions:
         logits = torch.as_tensor(logits).to(device).float()
@@ -604,7 +617,7 @@ def _replay(
         near_mask = ((choice != tokens) | passed_over) & (gap <= margin)  # a pass-over is never free
         near = int(near_mask.sum())
         floor = tolerance.near_tie_floor
-        cost = float((floor + (1 - floor) * gap[near_mask] / margin).sum())
+        cost = float((floor + (1 - floor) * (gap[near_mask] / tie_margin).clamp(max=1)).sum())
         logp = torch.log_softmax(masked, dim=-1)
         p = logp.exp()
         plogp = torch.where(kept, p * logp, torch.zeros_like(p))
@@ -620,6 +633,7 @@ def _replay(
             "near_tie_cost": cost,
             "near_tie_budget": budget,
             "margin": margin,
+            "tie_margin": tie_margin,
             "max_gap": float(gap.max()),
             "typicality": typicality,
             "mean_logprob": float(chosen_lp.mean()),
@@ -649,7 +663,7 @@ def check_near_tie_budget(
     near = sum(int(v.numbers.get("near_ties", 0)) for v in replayed)
     cost = sum(float(v.numbers.get("near_tie_cost", 0.0)) for v in replayed)
     tokens = sum(int(v.numbers.get("tokens", 0)) for v in replayed)
-    budget = tolerance.near_ties_per_sample + tolerance.near_ties_per_batch_token * tokens
+    budget = max(tolerance.near_ties_per_sample, tolerance.near_ties_per_batch_token * tokens)
     numbers = {"near_ties": near, "near_tie_cost": cost, "near_tie_budget": budget, "tokens": tokens}
     if cost > budget:
         return CheckVerdict(

@@ -148,10 +148,14 @@ class ValidatorConfig(Section):
     """TOPLOC: largest median mantissa error over a chunk's matching exponents."""
     replay_logit_tolerance: float | None = Field(None, gt=0)
     """Replay: largest raw-logit difference between a worker's engine and this prefill (None: per dtype)."""
+    tie_logit_tolerance: float | None = Field(None, gt=0)
+    """Replay: a near tie costs 0.25 + 0.75 x gap / (2 x this / T), at most 1 (None: replay_logit_tolerance)."""
+    max_logprob_diff: float | None = Field(None, gt=0)
+    """Largest |stored - recomputed| logprob of one token at T = 1, beyond log(1 / top_p) (None: per dtype)."""
     near_ties_per_token: float = Field(0.05, ge=0)
     """Replay: near-tie cost a sample may spend per completion token, plus 1 (a near tie costs 0.25-1)."""
     near_ties_per_batch_token: float = Field(0.02, ge=0)
-    """Replay: near-tie cost a batch may spend per completion token, plus 1."""
+    """Replay: near-tie cost a batch may spend per completion token (at least 1, one near tie at full price)."""
     weights_dir: Path | None = None
     """Where fetched policy versions land (None: <run.dir>/validator-<key prefix>/weights)."""
     cache_versions: int = Field(2, gt=0)

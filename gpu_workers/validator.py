@@ -111,6 +111,8 @@ class Validator:
             ),
             tolerance=checks.SamplingTolerance(
                 replay_logit_tolerance=config.replay_logit_tolerance,
+                tie_logit_tolerance=config.tie_logit_tolerance,
+                max_logprob_diff=config.max_logprob_diff,
                 near_ties_per_token=config.near_ties_per_token,
                 near_ties_per_batch_token=config.near_ties_per_batch_token,
             ),
@@ -118,6 +120,14 @@ class Validator:
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.device = resolve_device(config.device)  # a GPU that is not there stops the validator here
         log.info("judging on %s (validator.device = %s)", self.device, config.device)
+        if worker.dtype != "float32" and worker.sampler == "replayable" and config.replay_logit_tolerance is None:
+            log.warning(
+                "validator.replay_logit_tolerance, tie_logit_tolerance and max_logprob_diff are the %s defaults: "
+                "a trained policy's honest workers may exceed them and a near-tie cheater has room within them; "
+                "measure the pool's model with benchmarks/replay_margin.py and set what it prints "
+                "(docs/verifiable-sampling.md, 'Calibrating a pool')",
+                worker.dtype,
+            )
         self.tasks = tasks
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)
@@ -294,14 +304,19 @@ class Validator:
             summary["worst"],
             self.device,
         )
+        ledger = next((v.numbers for v in result.batch_checks if "near_tie_cost" in v.numbers), {})
+        near_ties = dict(  # for the worker's near-tie ledger (`[orchestrator] near_tie_rate`)
+            near_tie_cost=float(ledger.get("near_tie_cost", 0.0)), near_tie_tokens=int(ledger.get("tokens", 0))
+        )
         if result.accepted:
-            return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)))
+            return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)), **near_ties)
         return Verdict(
             accepted=False,
             failed_checks=sorted(failed),
             reason=_reason("; ".join(result.reasons(8))),
             rewards=rewards,
             num_tokens=int(len(batch.tokens)),
+            **near_ties,
         )
 
     # -- the loop -----------------------------------------------------------------------------------------

@@ -53,6 +53,10 @@ class OrchestratorConfig(Section):
     """Ban a worker automatically after this many rejected batches within rejection_window_s (0: never)."""
     rejection_window_s: float = Field(3600.0, gt=0)
     """Window in seconds over which rejected batches are counted for automatic bans."""
+    near_tie_rate: float | None = Field(None, ge=0)
+    """Near-tie cost per completion token a worker's accepted batches may spend, plus near_tie_slack (None: off)."""
+    near_tie_slack: float = Field(2.0, ge=0)
+    """Near-tie cost a worker may spend beyond near_tie_rate x its tokens over its lifetime."""
     submit_rate_per_min: float = Field(60.0, gt=0)
     """Batch announcements a node may make per minute on average (token bucket)."""
     submit_burst: int = Field(10, gt=0)

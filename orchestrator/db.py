@@ -61,7 +61,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -153,6 +153,8 @@ class Work(Base):
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     rewards: Mapped[list | None] = mapped_column(JSON, nullable=True)
     verified_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    near_tie_cost: Mapped[float | None] = mapped_column(Float, nullable=True)  # the worker's near-tie ledger
+    near_tie_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
 
 
@@ -224,6 +226,18 @@ def _v5_to_v6(conn: Connection) -> None:
 
 
 MIGRATIONS[5] = _v5_to_v6
+
+
+def _v6_to_v7(conn: Connection) -> None:
+    """`near_tie_cost` and `near_tie_tokens`: the validator's near-tie numbers of a judged batch (the worker's
+    near-tie ledger). Batches judged before have neither and count as spending nothing."""
+    names = {c["name"] for c in inspect(conn).get_columns(Work.__tablename__)}
+    for column, kind in (("near_tie_cost", "FLOAT"), ("near_tie_tokens", "BIGINT")):
+        if column not in names:
+            conn.execute(text(f"ALTER TABLE assignments ADD COLUMN {column} {kind}"))
+
+
+MIGRATIONS[6] = _v6_to_v7
 
 
 def sqlite_url(path: str | Path) -> str:

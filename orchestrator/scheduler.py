@@ -21,6 +21,14 @@ have never had a batch accepted ("unproven": every fresh key) hold at most `unpr
 capacity between them, so keys that heartbeat and never deliver cannot hold the window, not even for one
 deadline.
 
+The near-tie ledger (`near_tie_rate`, off when None). A validator's verdict carries the batch's near-tie cost,
+what its replay check charged for tokens that were not the seed's exact choice but within the engines' rounding
+(`gpu_workers.checks`), and the completion tokens it judged. Every batch's cost is within the validator's
+per-batch budget, which must hold an honest batch's chance fluctuations; a cheater may spend that room on
+choices that raise its reward in every batch. Summed over a worker's accepted batches, an honest worker's cost
+settles near its engines' rate, so an accepted verdict that would take the worker's total over near_tie_rate x
+its tokens + near_tie_slack is recorded as a rejection of the "replay" check instead (a strike).
+
 Assignments are given at V, the newest version the learner announced (it announces a version once its weights
 are published): the orchestrator chooses, whatever versions the worker says it holds (it fetches V if it has
 not). The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.assignment` from
@@ -71,6 +79,9 @@ _BY_ID = select(_TABLE).where(W.id == bindparam("wid"))
 _BY_BATCH = select(_TABLE).where(W.batch_id == bindparam("batch"))
 _ID_OF_BATCH = select(W.id).where(W.batch_id == bindparam("batch"))
 _UPDATE = _TABLE.update().where(W.id == bindparam("wid"))  # SET: the columns named in the parameters
+_NEAR_TIES = select(func.sum(W.near_tie_cost).label("cost"), func.sum(W.near_tie_tokens).label("tokens")).where(
+    W.node_key == bindparam("node"), W.state == bindparam("state")
+)
 _EXPIRE = (
     _TABLE.update().where(W.id == bindparam("wid"), W.state == OPEN).values(state=EXPIRED, expired_at=bindparam("when"))
 )
@@ -116,6 +127,11 @@ _DELIVER = (
 )
 
 
+def near_tie_allowance(rate: float, slack: float, tokens: int) -> float:
+    """The near-tie cost a worker's accepted batches may spend in all over `tokens` completion tokens."""
+    return rate * tokens + slack
+
+
 class WorkScheduler:
     def __init__(
         self,
@@ -135,6 +151,8 @@ class WorkScheduler:
         clock: Callable[[], float],
         deadline_s: float = math.inf,
         unproven_share: float = 1.0,
+        near_tie_rate: float | None = None,
+        near_tie_slack: float = 2.0,
     ):
         self.db = db
         self.engine: Engine = db.kw["bind"]
@@ -150,6 +168,7 @@ class WorkScheduler:
         self.claim_lease_s = claim_lease_s
         self.ban_after_rejections = ban_after_rejections
         self.rejection_window_s = rejection_window_s
+        self.near_tie_rate, self.near_tie_slack = near_tie_rate, near_tie_slack
         self.default_relays = list(default_relays)
         self.clock = clock
         self.deadline_s = deadline_s
@@ -474,30 +493,51 @@ class WorkScheduler:
                         }
                     ],
                 )
+            over = self._near_tie_overdraft(conn, work.node_key, msg) if msg.accepted else None
+            accepted = msg.accepted and over is None
             change = dict(
-                state=ACCEPTED if msg.accepted else REJECTED,
+                state=ACCEPTED if accepted else REJECTED,
                 validator_key=key,
                 verdict_at=now,
                 verdict_seq=self._verdict_seq + 1,
-                failed_checks=list(msg.failed_checks),
-                reason=msg.reason or None,
-                rewards=list(msg.rewards) if msg.accepted else None,
+                failed_checks=list(msg.failed_checks) if over is None else ["replay"],
+                reason=(msg.reason or None) if over is None else over,
+                rewards=list(msg.rewards) if accepted else None,
                 verified_tokens=msg.num_tokens,
+                near_tie_cost=msg.near_tie_cost,
+                near_tie_tokens=msg.near_tie_tokens,
             )
             hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
             record, worker = batch_record(work, now), work.node_key
         self._verdict_seq += 1  # only once the transaction committed
-        if msg.accepted and worker not in self._proven:  # its open work no longer counts as unproven
+        if accepted and worker not in self._proven:  # its open work no longer counts as unproven
             self._proven.add(worker)
             self._unproven_open -= len(self._open.get(worker, ()))
-        if not msg.accepted:
+        if not accepted:
             self._window_add(-int(self._in_window(record.version)))
-        if not msg.accepted and self._should_ban(worker, now):
+        if not accepted and self._should_ban(worker, now):
             self.registry.ban(
                 worker, f"automatic: {self.ban_after_rejections} rejected batches within {self.rejection_window_s:g} s"
             )
         return record, True
+
+    def _near_tie_overdraft(self, conn, worker: str, msg: Verdict) -> str | None:
+        """Why accepting this batch would take the worker's near-tie ledger over its allowance (None: it does not,
+        or the ledger is off): near_tie_rate x tokens + near_tie_slack, over its accepted batches and this one."""
+        if self.near_tie_rate is None:
+            return None
+        row = self.hot.first(conn, _NEAR_TIES, {"node": worker, "state": ACCEPTED}) or {}
+        cost = (row.get("cost") or 0.0) + msg.near_tie_cost
+        judged = (row.get("tokens") or 0) + msg.near_tie_tokens
+        allowance = near_tie_allowance(self.near_tie_rate, self.near_tie_slack, judged)
+        if cost <= allowance:
+            return None
+        return (
+            f"near-tie ledger: this batch's near-tie cost {msg.near_tie_cost:.2f} would bring the worker's accepted "
+            f"batches to {cost:.2f} over {judged} tokens, above its allowance {allowance:.2f} "
+            f"(orchestrator.near_tie_rate {self.near_tie_rate:g} x tokens + near_tie_slack {self.near_tie_slack:g})"
+        )
 
     def _should_ban(self, worker: str, now: float) -> bool:
         """Strikes within the window reach ban_after_rejections: rejected batches, expired assignments and

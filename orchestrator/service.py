@@ -107,6 +107,8 @@ class Orchestrator:
             claim_lease_s=cfg.claim_lease_s,
             ban_after_rejections=cfg.ban_after_rejections,
             rejection_window_s=cfg.rejection_window_s,
+            near_tie_rate=cfg.near_tie_rate,
+            near_tie_slack=cfg.near_tie_slack,
             default_relays=list(run.relays),
             clock=clock,
             deadline_s=cfg.deadline_s(run.max_tokens),

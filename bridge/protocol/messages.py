@@ -300,6 +300,14 @@ class Verdict(Request):
         default=[], max_length=1 << 24, description="recomputed reward of every sample (required when accepted)"
     )
     num_tokens: int = Field(ge=0, le=1 << 40, description="tokens in the batch as the validator counted them")
+    near_tie_cost: float = Field(
+        0.0,
+        ge=0,
+        le=1e12,
+        allow_inf_nan=False,
+        description="the replay check's near-tie cost summed over the batch (the worker's near-tie ledger)",
+    )
+    near_tie_tokens: int = Field(0, ge=0, le=1 << 40, description="completion tokens the replay check judged")
 
     @model_validator(mode="after")
     def _consistent(self) -> Verdict:

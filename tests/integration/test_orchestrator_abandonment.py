@@ -20,6 +20,7 @@ from test_orchestrator_state import START, Pool
 
 from bridge.assignment import assigned_sample_seeds
 from bridge.protocol import OrchestratorError
+from orchestrator.db import SCHEMA_VERSION
 
 STRIKES = {
     "orchestrator.ban_after_rejections": 2,
@@ -162,7 +163,7 @@ def test_a_schema_5_database_gains_abandoned_at_and_its_lost_work_is_no_strike(t
     [entry] = [e for e in again.admin.ledger().entries if e.node_key == worker.node_key]
     assert (entry.lost_assignments, entry.banned) == (1, False)  # one strike of two
     with sqlite3.connect(tmp_path / "orchestrator.db") as conn:
-        assert conn.execute("SELECT version FROM schema_info").fetchone() == (6,)
+        assert conn.execute("SELECT version FROM schema_info").fetchone() == (SCHEMA_VERSION,)
 
 
 class _CommittedStore:

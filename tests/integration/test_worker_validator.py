@@ -12,6 +12,7 @@ SHARDCAST origin, all processes on 127.0.0.1, on a tiny model:
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -170,6 +171,11 @@ def test_workers_and_validator_with_new_versions_a_cheater_and_an_orchestrator_r
         return keys <= {b.node_key for b in seen.values() if b.version == version}
 
     wait_until(lambda: accepted_from({key1, key2}, 0), 240, "accepted version-0 batches of both workers", procs)
+    with sqlite3.connect(pool.run_dir / "orchestrator.db") as conn:  # the verdicts' numbers of the near-tie ledger
+        judged = conn.execute(
+            "SELECT near_tie_tokens, near_tie_cost, num_tokens FROM assignments WHERE state = 'accepted'"
+        ).fetchall()
+    assert judged and all(0 < tokens < total and cost >= 0 for tokens, cost, total in judged), judged
     store = RolloutStore.open(pool.run_dir / "rollouts")
     from transformers import AutoTokenizer
 

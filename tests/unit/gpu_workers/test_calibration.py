@@ -176,3 +176,53 @@ def test_tolerance_default_safety_is_two():
 def test_tolerance_refuses_a_negative_or_undefined_spread_and_a_safety_below_one(spread, safety):
     with pytest.raises(ValueError):
         replay_tolerance(spread, safety)
+
+
+def test_near_tie_gaps_are_the_replayed_best_minus_the_token_at_positions_off_the_choice():
+    """Three positions built on the seed's noise: the token is the choice (no gap), second by 0.3, third by 0.7
+    (at temperature 0.5 the tempered gaps are doubled and the raw gaps given back)."""
+    from gpu_workers.calibration import near_tie_gaps
+
+    temperature, wanted = 0.5, [None, 0.3, 0.7]
+    logits, tokens = np.full((3, VOCAB), -60.0), []
+    for j, gap in enumerate(wanted):
+        g = _noise(SEED, j, range(VOCAB))
+        a, b, c = 5, 17, 40  # the best, then b and c below it, in tempered noisy score
+        for token, below in ((a, 0.0), (b, 0.3 / temperature), (c, 0.7 / temperature)):
+            logits[j, token] = temperature * (10.0 - below - g[token])
+        tokens.append(a if gap is None else (b if gap == 0.3 else c))
+    got = near_tie_gaps(tokens, torch.as_tensor(logits, dtype=torch.float32), SEED, temperature)
+    assert got == pytest.approx([0.3, 0.7], abs=1e-4)
+    assert len(near_tie_gaps([5, 5, 5], torch.as_tensor(logits, dtype=torch.float32), SEED, temperature)) == 0
+    with pytest.raises(ValueError, match="2 tokens for logits of shape"):
+        near_tie_gaps([5, 5], torch.as_tensor(logits), SEED)
+
+
+@pytest.mark.parametrize("gap", [0.0, 0.005, 0.03, 0.38, 1.234])
+def test_tie_tolerance_holds_the_largest_gap_in_hundredths(gap):
+    from gpu_workers.calibration import tie_tolerance
+
+    want = max(Decimal("0.01"), (Decimal(repr(gap)) / 2).quantize(Decimal("0.01"), rounding=ROUND_CEILING))
+    assert tie_tolerance(gap) == float(want)
+    assert 2 * tie_tolerance(gap) >= gap
+
+
+def test_near_tie_rate_is_the_safety_times_the_honest_cost_rounded_up():
+    from gpu_workers.calibration import near_tie_rate
+
+    assert near_tie_rate(0.00057, 2.0) == 0.0012
+    assert near_tie_rate(0.0, 2.0) == 0.0001
+    assert near_tie_rate(0.0125, 1.5) == 0.0188
+    for bad in ((-0.1, 2.0), (float("nan"), 2.0), (0.01, 0.5)):
+        with pytest.raises(ValueError):
+            near_tie_rate(*bad)
+
+
+def test_logprob_tolerance_is_the_safety_times_the_largest_difference_in_hundredths():
+    from gpu_workers.calibration import logprob_tolerance
+
+    assert logprob_tolerance(0.36, 2.0) == 0.72
+    assert logprob_tolerance(1.0408, 1.5) == 1.57
+    assert logprob_tolerance(0.0, 2.0) == 0.01
+    with pytest.raises(ValueError):
+        logprob_tolerance(float("inf"), 2.0)

@@ -101,3 +101,32 @@ def test_the_device_reaches_the_prefill_the_validator_loads(tmp_path, tiny_model
     assert prefill.device == expected and next(prefill.model.parameters()).device == torch.device(expected)
     if not HAS_CUDA:
         assert prefill.batch_tokens == CPU_BATCH_TOKENS
+
+
+def test_an_uncalibrated_bfloat16_replay_pool_is_told_to_measure_its_model(tmp_path, caplog):
+    """The bfloat16 defaults were set on tiny random policies; a trained policy's honest workers may exceed them
+    (docs/verifiable-sampling.md, 'Calibrating a pool'): the validator says so at start, and not once calibrated."""
+    from gpu_workers.validator import Validator
+
+    def start(dtype: str, tolerance: float | None) -> list[str]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="validator"):
+            v = Validator(
+                ValidatorConfig(
+                    orchestrator_url="http://127.0.0.1:9", device="cpu", dtype=dtype, replay_logit_tolerance=tolerance
+                ),
+                WorkerConfig(max_tokens=16, dtype=dtype),
+                DataConfig(samples_per_prompt=2, max_prompt_len=64, max_new_tokens=16),
+                ShardcastConfig(),
+                synthetic_tasks("sort", 8, 0, 3),
+                key_path=tmp_path / "v.key",
+                weights_dir=tmp_path / "weights",
+                store=str(tmp_path / f"store-{dtype}-{tolerance}"),
+                stop=Stop(install=False),
+            )
+            v.client.close()
+        return [r.getMessage() for r in caplog.records if "replay_margin.py" in r.getMessage()]
+
+    assert len(start("bfloat16", None)) == 1
+    assert start("bfloat16", 0.35) == []
+    assert start("float32", None) == []
