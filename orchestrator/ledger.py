@@ -36,6 +36,8 @@ CSV_COLUMNS = (
     "first_seen",
     "last_seen",
     "banned",
+    "near_tie_cost",
+    "near_tie_tokens",
 )
 
 
@@ -52,9 +54,16 @@ def build_ledger(
     mine = Work.node_key.in_(keys) if limit is not None or after is not None else true()
     accepted = (
         {
-            key: (batches, samples or 0, tokens or 0)
-            for key, batches, samples, tokens in s.execute(
-                select(Work.node_key, func.count(), func.sum(Work.num_samples), func.sum(Work.verified_tokens))
+            key: (batches, samples or 0, tokens or 0, cost or 0.0, judged or 0)
+            for key, batches, samples, tokens, cost, judged in s.execute(
+                select(
+                    Work.node_key,
+                    func.count(),
+                    func.sum(Work.num_samples),
+                    func.sum(Work.verified_tokens),
+                    func.sum(Work.near_tie_cost),
+                    func.sum(Work.near_tie_tokens),
+                )
                 .where(Work.state == ACCEPTED, mine)
                 .group_by(Work.node_key)
             )
@@ -81,7 +90,7 @@ def build_ledger(
     )
     entries = []
     for node in nodes:
-        batches, samples, tokens = accepted.get(node.key, (0, 0, 0))
+        batches, samples, tokens, cost, judged = accepted.get(node.key, (0, 0, 0, 0.0, 0))
         live = registry.live.get(node.key)
         entries.append(
             LedgerEntry(
@@ -97,6 +106,8 @@ def build_ledger(
                 first_seen=node.first_seen,
                 last_seen=live.last_seen if live else node.last_seen,
                 banned=node.banned,
+                near_tie_cost=cost,
+                near_tie_tokens=judged,
             )
         )
     more = limit is not None and len(nodes) == limit
@@ -124,6 +135,8 @@ def ledger_csv(ledger: Ledger) -> str:
                 f"{e.first_seen:.3f}",
                 f"{e.last_seen:.3f}",
                 str(e.banned).lower(),
+                f"{e.near_tie_cost:.4f}",
+                e.near_tie_tokens,
             ]
         )
     return out.getvalue()

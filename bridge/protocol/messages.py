@@ -368,6 +368,8 @@ class LedgerEntry(Reply):
     first_seen: float
     last_seen: float
     banned: bool
+    near_tie_cost: float = Field(0.0, description="the replay check's near-tie cost over its accepted batches")
+    near_tie_tokens: int = Field(0, description="completion tokens of its accepted batches the replay check judged")
 
 
 class Ledger(Reply):

@@ -6,6 +6,9 @@ rejection (a strike) once the worker's total is over its allowance: rate x its t
 in-process service on a fake clock (the Pool of test_orchestrator_state).
 """
 
+import csv
+import io
+
 import pytest
 from test_orchestrator_state import Pool
 
@@ -55,6 +58,14 @@ def test_a_near_tie_cheater_within_every_batch_budget_is_rejected_and_banned(tmp
     ledger = {e.node_key: e for e in pool.admin.ledger().entries}
     assert ledger[honest.node_key].banned is False
     assert ledger[cheat.node_key].banned is True
+    # the ledger shows what each spent on its accepted batches
+    assert (ledger[honest.node_key].near_tie_cost, ledger[honest.node_key].near_tie_tokens) == (
+        pytest.approx(6 * 0.36),
+        6 * TOKENS,
+    )
+    assert (ledger[cheat.node_key].near_tie_cost, ledger[cheat.node_key].near_tie_tokens) == (2.3, TOKENS)
+    rows = {r["node_key"]: r for r in csv.DictReader(io.StringIO(pool.admin.ledger_csv()))}
+    assert (rows[cheat.node_key]["near_tie_cost"], rows[cheat.node_key]["near_tie_tokens"]) == ("2.3000", "512")
 
 
 def test_the_ledger_counts_accepted_batches_only_and_is_off_by_default(tmp_path):
