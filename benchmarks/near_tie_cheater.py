@@ -99,6 +99,16 @@ def main() -> int:
         total, judged = spent[party]
         return total + cost <= near_tie_allowance(ledger_rate, ledger_slack, judged + tokens)
 
+    def settle(party: str, verdict) -> bool:
+        """Whether the orchestrator takes the batch (the validator accepted it and the ledger has room); booked."""
+        numbers = next((v.numbers for v in verdict.batch_checks if "near_tie_cost" in v.numbers), {})
+        cost, tokens = numbers.get("near_tie_cost", 0.0), numbers.get("tokens", 0)
+        if not (verdict.accepted and ledger_ok(party, cost, tokens)):
+            return False
+        spent[party][0] += cost
+        spent[party][1] += tokens
+        return True
+
     work = Path(tempfile.mkdtemp(prefix="near-tie-cheater-"))
     model = peaked_copy(args.model, work / "policy", args.peak) if args.peak != 1.0 else args.model
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -180,11 +190,7 @@ def main() -> int:
             rewards = [reward_of(t)(s) for t, s in zip(batch_tasks, honest)]
             honest = [replace(s, reward=r) for s, r in zip(honest, rewards)]
             verdict = validate_batch(honest, prefill, declared, reward_fn=by_sample(honest, batch_tasks))
-            budget = next(v.numbers for v in verdict.batch_checks if "near_tie_cost" in v.numbers)
-            honest_ok = verdict.accepted and ledger_ok("honest", budget["near_tie_cost"], budget["tokens"])
-            if honest_ok:
-                spent["honest"][0] += budget["near_tie_cost"]
-                spent["honest"][1] += budget["tokens"]
+            honest_ok = settle("honest", verdict)
             totals["honest_accepted"] += int(honest_ok)
             if not verdict.accepted:
                 print(f"batch {b}: the honest batch was rejected: {verdict.reasons(3)}", file=sys.stderr)
@@ -226,11 +232,7 @@ def main() -> int:
                     totals["swapped"] += 1
             cheat = validate_batch(samples, prefill, declared, reward_fn=by_sample(samples, batch_tasks))
             tokens = sum(len(s.completion_tokens) for s in samples)
-            budget = next(v.numbers for v in cheat.batch_checks if "near_tie_cost" in v.numbers)
-            cheat_ok = cheat.accepted and ledger_ok("cheat", budget["near_tie_cost"], budget["tokens"])
-            if cheat_ok:
-                spent["cheat"][0] += budget["near_tie_cost"]
-                spent["cheat"][1] += budget["tokens"]
+            cheat_ok = settle("cheat", cheat)
             totals["cheat_accepted"] += int(cheat_ok)
             totals["samples"] += len(samples)
             totals["choices"] += chosen
