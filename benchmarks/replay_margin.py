@@ -103,8 +103,8 @@ def main() -> int:
     from gpu_workers.checks import (
         MAX_LOGPROB_DIFF,
         REPLAY_LOGIT_TOLERANCE,
-        SamplingTolerance,
         _top_p_kept,
+        near_tie_costs,
         stop_token_ids,
     )
     from gpu_workers.config import WorkerConfig, completion_cap
@@ -195,8 +195,7 @@ def main() -> int:
     tolerance = replay_tolerance(max(largest, widest), args.safety)
     held = float(np.quantile(honest_gaps, args.tie_quantile)) if len(honest_gaps) else 0.0
     tie = min(tie_tolerance(held), tolerance)
-    floor = SamplingTolerance().near_tie_floor
-    costs = [float((floor + (1 - floor) * np.minimum(g / (2 * tie), 1.0)).sum()) for g in gaps]
+    costs = [float(near_tie_costs(g, 2 * tie).sum()) for g in gaps]
     cost = sum(costs)
     rate = near_tie_rate(cost / max(tie_tokens, 1), args.rate_safety)
     by_batch = np.bincount(np.asarray(batch_of, dtype=np.int64), weights=costs) if costs else np.zeros(1)

@@ -512,6 +512,13 @@ weights (a flat policy), each with a gap under 0.21 of the margin; `SamplingTole
 them by their gap."""
 
 
+def near_tie_costs(gaps, tie_margin: float, floor: float = SamplingTolerance.near_tie_floor):
+    """What each near tie costs against the budgets, from its gap (the tie margin in the same units): `floor` +
+    (1 - `floor`) x gap / tie margin, at most 1. Takes and returns a torch tensor or a numpy array."""
+    ratio = gaps / tie_margin
+    return floor + (1 - floor) * (ratio.clamp(max=1) if hasattr(ratio, "clamp") else ratio.clip(max=1))
+
+
 def check_replay_batch(
     completions: Sequence[tuple[Sequence[int], Any, int]],
     temperature: float,
@@ -617,7 +624,7 @@ def _replay(
         near_mask = ((choice != tokens) | passed_over) & (gap <= margin)  # a pass-over is never free
         near = int(near_mask.sum())
         floor = tolerance.near_tie_floor
-        cost = float((floor + (1 - floor) * (gap[near_mask] / tie_margin).clamp(max=1)).sum())
+        cost = float(near_tie_costs(gap[near_mask], tie_margin, floor).sum())
         logp = torch.log_softmax(masked, dim=-1)
         p = logp.exp()
         plogp = torch.where(kept, p * logp, torch.zeros_like(p))
