@@ -25,6 +25,10 @@ attends (seq + 1) / 2 keys on average. `flops_per_token_full_attention` uses seq
 PaLM convention) for comparison.
 
     python benchmarks/train_step.py [--rounds 5] [--steps 3] [--no-xla-flags] [--no-retain-memory]
+        [--scan-layers auto|true|false] [--other-form]
+
+`--scan-layers` is the learner's `[model] scan_layers` (auto: unrolled on CPU); `--other-form` adds a second JAX
+worker with the layers in the other form, timed in the same rounds (`other_form` in the JSON).
 
 Prints one JSON object.
 """
@@ -133,7 +137,8 @@ def worker_jax(args) -> None:
 
     def setup():
         mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
-        model = load_hf(args.model_dir, mesh=mesh, verify=False, scan_layers=args.scan_layers)
+        scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
+        model = load_hf(args.model_dir, mesh=mesh, verify=False, scan_layers=scan)
         optim = OptimConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP, warmup_steps=0
         )
@@ -152,6 +157,7 @@ def worker_jax(args) -> None:
             "grad_norm": float(metrics["grad_norm"]),
             "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
             "retain_freed_memory": retained,
+            "scanned": bool(model.scan_layers),
         }
 
     def step():
@@ -283,6 +289,28 @@ class Worker:
         return out
 
 
+def _other_form(ready: dict) -> str:
+    return "false" if ready["scanned"] else "true"
+
+
+def _other_form_figures(args, times: dict, ready: dict) -> dict:
+    """`--other-form`: the JAX step with its layers in the other form (scanned <-> unrolled), timed in the
+    same rounds: its tokens/s, its ratio to torch, and the default form's speed over it, round by round."""
+    tokens = args.batch * args.seq
+    per_round = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in ("jax", "jax_other", "torch")}
+    return {
+        "layers_scanned": ready["jax_other"]["scanned"],
+        "tokens_per_s": _stats(per_round["jax_other"]),
+        "ratio": round(statistics.median(o / t for o, t in zip(per_round["jax_other"], per_round["torch"])), 3),
+        "default_over_other": round(
+            statistics.median(d / o for d, o in zip(per_round["jax"], per_round["jax_other"])), 3
+        ),
+        "compile_s": round(ready["jax_other"]["compile_s"], 2),
+        "first_step_loss": ready["jax_other"]["loss"],
+        "first_step_grad_norm": ready["jax_other"]["grad_norm"],
+    }
+
+
 def _stats(values: list[float], digits: int = 1) -> dict:
     return {
         "median": round(statistics.median(values), digits),
@@ -319,10 +347,16 @@ def main() -> None:
         "`intellect train` does by default, trainer.retain_host_memory)",
     )
     ap.add_argument(
-        "--no-scan-layers",
-        dest="scan_layers",
-        action="store_false",
-        help="the JAX side with unrolled layers (`[model] scan_layers = false`): A/B against the scanned default",
+        "--scan-layers",
+        choices=("auto", "true", "false"),
+        default="auto",
+        help="the JAX side's `[model] scan_layers` (auto: the learner's default, unrolled on CPU): A/B the forms",
+    )
+    ap.add_argument("--no-scan-layers", dest="scan_layers", action="store_const", const="false", help="= false")
+    ap.add_argument(
+        "--other-form",
+        action="store_true",
+        help="also time the JAX step with its layers in the other form (scanned <-> unrolled) in the same rounds",
     )
     ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -338,15 +372,18 @@ def main() -> None:
             [sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv], check=True
         )
         workers = {k: Worker(k, args, argv) for k in ("jax", "torch", "peak")}
+        if args.other_form:  # the JAX step with the layers in the other form, in the same rounds
+            workers["jax_other"] = Worker("jax", args, argv + ["--scan-layers", _other_form(workers["jax"].ready)])
         times = {k: [] for k in workers}
         for r in range(args.rounds):
-            order = ("jax", "torch", "peak") if r % 2 == 0 else ("peak", "torch", "jax")
+            order = tuple(workers) if r % 2 == 0 else tuple(reversed(workers))
             for k in order:
                 n = args.peak_reps if k == "peak" else args.steps
                 workers[k].run(1)  # the first call after the other sides ran: let caches warm again
                 times[k].append(workers[k].run(n))
         ready = {k: w.ready for k, w in workers.items()}
         rss = {k: w.close()["peak_rss_mb"] for k, w in workers.items()}
+        other = _other_form_figures(args, times, ready) if args.other_form else None
         faults = {k: round(statistics.median(w.faults)) for k, w in workers.items() if k != "peak"}
 
     tokens = args.batch * args.seq
@@ -368,6 +405,8 @@ def main() -> None:
                 "batch": args.batch,
                 "dtype": "float32",
                 "scan_layers": args.scan_layers,
+                "jax_layers_scanned": ready["jax"]["scanned"],
+                **({"other_form": {**other, "peak_rss_mb": round(rss["jax_other"])}} if other else {}),
                 "tokens_per_step": tokens,
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,

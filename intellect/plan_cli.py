@@ -7,9 +7,11 @@ nothing is allocated, so a 32B model's plan runs on a laptop), and whether the p
 given. The model's shape comes from `model.path`'s config.json (only that file is read). With no accelerator
 here, `--devices N` compiles for N fake CPU devices: XLA:CPU's memory analysis then stands in for the TPU's or
 GPU's, a close estimate of the same program's buffers (fusion and layout choices differ per backend). Models
-with `model.scan_layers` (the default) compile at their full depth (the scanned program holds one layer);
-unrolled models deeper than `--depth-from` layers (default 8) are compiled at that depth and at twice it, and
-extrapolated linearly in depth (their compile would otherwise take long on one host); the plan says when it did.
+with scanned layers compile at their full depth (the scanned program holds one layer). `model.scan_layers =
+"auto"` (the default) resolves as `intellect train` would resolve it here: unrolled on CPU devices, so a plan
+made on CPU for an accelerator's scanned program says `--model.scan_layers true`. Unrolled models deeper than
+`--depth-from` layers (default 8) are compiled at that depth and at twice it, and extrapolated linearly in depth
+(their compile would otherwise take long on one host); the plan says when it did.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from intellect.learner_setup import mesh_from_config, trainer_for
     from jax_trainer.models import ModelConfig, abstract_model
+    from jax_trainer.models.decoder import resolve_scan_layers
     from jax_trainer.plan import extrapolate_layers, plan_step
 
     config_path = Path(cfg.model.path) / "config.json"
@@ -89,15 +92,16 @@ def run(args: argparse.Namespace) -> int:
     t, m = cfg.trainer, cfg.model
     micro_batches = args.micro_batches or t.micro_batches or 1
     micro_batches = -(-micro_batches // t.steps_per_batch) * t.steps_per_batch
+    scanned = resolve_scan_layers(m.scan_layers)  # "auto" as the learner resolves it on this backend
 
     def plan_at(layers: int):
         shaped = dataclasses.replace(model_cfg, num_layers=layers)
-        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll)
+        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scanned, m.scan_unroll)
         reference = model if cfg.loss.kl_coef else None
         return plan_step(trainer_for(cfg, model, mesh, reference), micro_batches, t.micro_batch_size, m.max_seq_len)
 
     depth = model_cfg.num_layers
-    if not m.scan_layers and depth > 2 * args.depth_from:
+    if not scanned and depth > 2 * args.depth_from:
         plan = extrapolate_layers(
             plan_at(args.depth_from), plan_at(2 * args.depth_from), depth, args.depth_from, 2 * args.depth_from
         )
@@ -108,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         f"intellect plan: {cfg.model.path} ({model_cfg.model_type}, {depth} layers, hidden {model_cfg.hidden_size},"
         f" vocab {model_cfg.vocab_size}); {micro_batches} micro-batches of {t.micro_batch_size} x "
         f"{m.max_seq_len} tokens; params {m.param_dtype}, compute {m.compute_dtype}, remat {m.remat}, "
-        f"{'scanned' if m.scan_layers else 'unrolled'} layers; "
+        f"{'scanned' if scanned else 'unrolled'} layers; "
         f"{jax.devices()[0].platform} analysis"
     )
     for line in plan.lines(device_bytes):

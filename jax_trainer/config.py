@@ -38,8 +38,8 @@ class LearnerModelConfig(Section):
     """Attention kernel (`jax_trainer.attention`): auto = splash on TPU, cudnn on GPU in bf16, xla otherwise."""
     remat: RematPolicy = "full"
     """What each layer keeps for the backward pass: none, full (recompute all), save_dots, offload (dots to host)."""
-    scan_layers: bool = True
-    """Stack the layers' parameters and run them with one `lax.scan` (compile time independent of depth)."""
+    scan_layers: bool | Literal["auto"] = "auto"
+    """One `lax.scan` over the stacked layers (compile time independent of depth); auto: on GPU/TPU, not on CPU."""
     scan_unroll: int = Field(1, gt=0)
     """Layers per iteration of the scan (XLA may overlap work across the unrolled layers)."""
     max_seq_len: int = Field(32768, gt=0)

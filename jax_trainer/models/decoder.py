@@ -13,10 +13,14 @@
 `compute_dtype` what the matmuls run in.
 
 Layers are stacked: every parameter of `layers` has a leading layer axis (logical name `layers`, never
-sharded), e.g. `layers.attn.q_proj` is [num_layers, hidden, heads, head_dim]. With `scan_layers=True` (the
-default) one `jax.lax.scan` runs them, so the compiled program holds one layer whatever the depth (`scan_unroll`
-layers per iteration); `scan_layers=False` runs the same stacked parameters in a Python loop (one copy of the
-layer per depth in the program: the A/B baseline, and what the depth test shows growing).
+sharded), e.g. `layers.attn.q_proj` is [num_layers, hidden, heads, head_dim]. With `scan_layers=True` one
+`jax.lax.scan` runs them, so the compiled program holds one layer whatever the depth (`scan_unroll` layers per
+iteration); `scan_layers=False` runs the same stacked parameters in a Python loop (one copy of the layer per
+depth in the program: what the depth test shows growing). `scan_layers="auto"` (the default,
+`resolve_scan_layers`) scans on accelerators and unrolls on CPU: XLA:CPU runs the scanned step about 12% slower
+(the loop's residual stacks are read through dynamic slices and transposed afresh for every weight gradient,
+and the attention mask's select no longer fuses into its matmul), and at the depths a CPU trains the unrolled
+program compiles as fast. Both forms hold the same parameters, so checkpoints move between them unchanged.
 
 `remat` names what each layer keeps for the backward pass (`REMAT_POLICIES`), applied to the scanned body or
 to each unrolled layer:
@@ -68,6 +72,16 @@ class DecoderLayer(nnx.Module):
         x = x + self.attn(self.input_norm(x), cos, sin, segment_ids)
         x = x + self.mlp(self.post_attn_norm(x))
         return constrain(x, ("batch", "length", "act_embed"))
+
+
+def resolve_scan_layers(scan_layers: bool | str, backend: str | None = None) -> bool:
+    """Whether the layers run under one `lax.scan`: booleans as given; "auto" scans everywhere but on the CPU
+    backend (default: `jax.default_backend()`), where the unrolled step runs faster (module docstring)."""
+    if isinstance(scan_layers, bool):
+        return scan_layers
+    if scan_layers != "auto":
+        raise ValueError(f"scan_layers {scan_layers!r} must be true, false or 'auto'")
+    return (backend or jax.default_backend()) != "cpu"
 
 
 def remat_name(remat: str | bool) -> str:
@@ -137,7 +151,7 @@ class Decoder(nnx.Module):
         param_dtype=jnp.float32,
         compute_dtype=jnp.float32,
         remat: str | bool = "none",
-        scan_layers: bool = True,
+        scan_layers: bool | str = "auto",
         scan_unroll: int = 1,
         rngs: nnx.Rngs | None = None,
     ):
@@ -147,7 +161,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.compute_dtype = compute_dtype
         self.remat = remat_name(remat)
-        self.scan_layers = scan_layers
+        self.scan_layers = resolve_scan_layers(scan_layers)
         self.scan_unroll = scan_unroll
         std = cfg.initializer_range
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal", std)

@@ -105,7 +105,7 @@ def abstract_model(
     param_dtype="float32",
     compute_dtype="float32",
     remat: str | bool = "none",
-    scan_layers: bool = True,
+    scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
 ) -> Decoder:
     """The model's structure with shapes only (no memory allocated, nothing compiled)."""
@@ -140,7 +140,7 @@ def load_hf(
     compute_dtype="float32",
     remat: str | bool = "none",
     verify: bool = True,
-    scan_layers: bool = True,
+    scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
     attention: str = "auto",
 ) -> Decoder:
@@ -191,7 +191,7 @@ def init_random(
     compute_dtype="float32",
     remat: str | bool = "none",
     seed: int = 0,
-    scan_layers: bool = True,
+    scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
 ) -> Decoder:
     """A randomly initialised model, each parameter created directly in its sharding (never whole on one device).

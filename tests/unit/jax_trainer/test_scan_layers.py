@@ -45,7 +45,7 @@ def test_the_compiled_step_holds_one_layer_whatever_the_depth():
 
 
 def _grad_jaxpr_dots(remat: str) -> int:
-    model = abstract_model(CFG, remat=remat)
+    model = abstract_model(CFG, remat=remat, scan_layers=True)
     tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     graphdef, params = nnx.split(model)
 
@@ -61,6 +61,26 @@ def test_save_dots_keeps_the_projections_full_recomputes_them():
     recomputes nothing. So the gradient programs hold strictly more dots in that order."""
     none, save_dots, full = (_grad_jaxpr_dots(r) for r in ("none", "save_dots", "full"))
     assert none < save_dots < full
+
+
+def test_auto_scans_on_accelerators_and_unrolls_on_cpu():
+    """`[model] scan_layers = "auto"` (the default): scanned on GPU and TPU, unrolled on the CPU backend (where
+    XLA:CPU runs the scanned step slower); booleans are kept; anything else is refused by name."""
+    from jax_trainer.config import LearnerModelConfig
+    from jax_trainer.models.decoder import resolve_scan_layers
+
+    assert [resolve_scan_layers("auto", b) for b in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert resolve_scan_layers(True, "cpu") is True and resolve_scan_layers(False, "tpu") is False
+    with pytest.raises(ValueError, match="scan_layers 'yes' must be true, false or 'auto'"):
+        resolve_scan_layers("yes")
+    assert LearnerModelConfig().scan_layers == "auto"
+    assert jax.default_backend() == "cpu"
+    assert abstract_model(CFG).scan_layers is False and abstract_model(CFG, scan_layers="auto").scan_layers is False
+    assert abstract_model(CFG, scan_layers=True).scan_layers is True
+    # the two forms run the same stacked parameters: the unrolled default loads a scanned model's state as is
+    scanned, unrolled = abstract_model(CFG, scan_layers=True), abstract_model(CFG)
+    shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m, nnx.Param))  # noqa: E731
+    assert shapes(scanned) == shapes(unrolled)
 
 
 def test_a_checkpoint_saved_layer_by_layer_restores_into_the_stacked_layers(tmp_path):
