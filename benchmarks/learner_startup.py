@@ -4,7 +4,7 @@ Each measurement runs in a child process of its own (a fresh JAX, no compilation
 
 - `step`: `GRPOTrainer`'s first step (its compile, plus one run) at `--depths` layers of a narrow Qwen2 shape
   (hidden 64, 4/2 heads, MLP 128, vocabulary 512, 2 x 128 tokens), with the layers scanned
-  (`scan_layers = true`, the default) and unrolled (`false`, the form the learner had before scanning): the
+  (`scan_layers = true`, the default on GPU and TPU) and unrolled (`false`, the CPU default): the
   scanned program holds one layer whatever the depth, so its compile time should not grow with depth.
 - `startup`: `init_random` and `load_hf` of the Qwen2.5-0.5B shape (hidden 896, 24 layers, vocabulary 151,936)
   in float32, from a checkpoint that `export_hf` wrote first; `load_hf` twice (page cache cold-ish: the first
