@@ -293,21 +293,18 @@ def _other_form(ready: dict) -> str:
     return "false" if ready["scanned"] else "true"
 
 
-def _other_form_figures(args, times: dict, ready: dict) -> dict:
+def _other_form_figures(tok_s: dict, ready: dict, rss: dict) -> dict:
     """`--other-form`: the JAX step with its layers in the other form (scanned <-> unrolled), timed in the
     same rounds: its tokens/s, its ratio to torch, and the default form's speed over it, round by round."""
-    tokens = args.batch * args.seq
-    per_round = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in ("jax", "jax_other", "torch")}
     return {
         "layers_scanned": ready["jax_other"]["scanned"],
-        "tokens_per_s": _stats(per_round["jax_other"]),
-        "ratio": round(statistics.median(o / t for o, t in zip(per_round["jax_other"], per_round["torch"])), 3),
-        "default_over_other": round(
-            statistics.median(d / o for d, o in zip(per_round["jax"], per_round["jax_other"])), 3
-        ),
+        "tokens_per_s": _stats(tok_s["jax_other"]),
+        "ratio": round(statistics.median(o / t for o, t in zip(tok_s["jax_other"], tok_s["torch"])), 3),
+        "default_over_other": round(statistics.median(d / o for d, o in zip(tok_s["jax"], tok_s["jax_other"])), 3),
         "compile_s": round(ready["jax_other"]["compile_s"], 2),
         "first_step_loss": ready["jax_other"]["loss"],
         "first_step_grad_norm": ready["jax_other"]["grad_norm"],
+        "peak_rss_mb": round(rss["jax_other"]),
     }
 
 
@@ -383,11 +380,11 @@ def main() -> None:
                 times[k].append(workers[k].run(n))
         ready = {k: w.ready for k, w in workers.items()}
         rss = {k: w.close()["peak_rss_mb"] for k, w in workers.items()}
-        other = _other_form_figures(args, times, ready) if args.other_form else None
         faults = {k: round(statistics.median(w.faults)) for k, w in workers.items() if k != "peak"}
 
     tokens = args.batch * args.seq
-    tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in ("jax", "torch")}
+    tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in times if k != "peak"}
+    other = _other_form_figures(tok_s, ready, rss) if args.other_form else None
     peak = [ready["peak"]["flops"] / statistics.median(ts) / 1e9 for ts in times["peak"]]
     fpt = flops_per_token(args)
     jax_gflops = [t * fpt / 1e9 for t in tok_s["jax"]]
@@ -406,7 +403,7 @@ def main() -> None:
                 "dtype": "float32",
                 "scan_layers": args.scan_layers,
                 "jax_layers_scanned": ready["jax"]["scanned"],
-                **({"other_form": {**other, "peak_rss_mb": round(rss["jax_other"])}} if other else {}),
+                **({"other_form": other} if other else {}),
                 "tokens_per_step": tokens,
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,

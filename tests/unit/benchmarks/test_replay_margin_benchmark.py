@@ -6,16 +6,13 @@ spend). The measurement itself is gpu_workers.calibration's, tested against nump
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_the_written_settings_load_and_hold_what_was_measured(tmp_path, tiny_model):
+def test_the_written_settings_load_and_hold_what_was_measured(tmp_path, tiny_model, run_benchmark):
     out = tmp_path / "calibration.toml"
     args = [
         str(ROOT / "configs" / "demo.toml"),
@@ -27,16 +24,7 @@ def test_the_written_settings_load_and_hold_what_was_measured(tmp_path, tiny_mod
         "--data.prompts_per_step", "64",
         "--write", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "replay_margin.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("replay_margin.py", args, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=600)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["tie_tokens"] > 0 and report["honest_batches"] == 2  # 16 samples in batches of 2 x 4
     written = tomllib.loads(out.read_text())

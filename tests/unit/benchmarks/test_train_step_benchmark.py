@@ -7,28 +7,13 @@ unrolled), which computes the same step."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_both_sides_compute_the_same_first_step():
+def test_both_sides_compute_the_same_first_step(run_benchmark):
     tiny = "--hidden 64 --intermediate 128 --layers 1 --heads 2 --kv-heads 1 --vocab 128 --seq 96 --batch 2"
     args = tiny.split() + "--rounds 1 --steps 1 --peak-n 64 --peak-reps 1 --other-form".split()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user runs it
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    # one CPU device, as a user runs it
+    done = run_benchmark("train_step.py", args, env={"XLA_FLAGS": None})
     out = json.loads(done.stdout)
     first = out["first_step"]
     assert first["agree"], first
