@@ -32,7 +32,7 @@ def test_prefill_speed_is_measured_on_both_sides(stages):
         assert result[side]["device"] == "cpu" and result[side]["tokens"] == 4 * (32 + 96)
         assert result[side]["tokens_per_s"] > 0
     ratio = result["accelerator"]["tokens_per_s"] / result["cpu"]["tokens_per_s"]
-    assert result["speedup"] == pytest.approx(ratio, rel=0.01)
+    assert result["speedup"] == pytest.approx(ratio, rel=0.01, abs=0.005)  # printed to 2 decimals
 
 
 def test_cross_device_proofs_are_accepted_both_ways_in_both_dtypes(stages):
