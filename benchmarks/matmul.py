@@ -116,8 +116,13 @@ def run_worker(side: str, threads: str, argv: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _sig(x: float) -> float:
+    """Three significant digits (a tiny shape's figures are well under 1 GFLOP/s)."""
+    return float(f"{x:.3g}")
+
+
 def _stats(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 1), "min": round(min(values), 1), "max": round(max(values), 1)}
+    return {"median": _sig(statistics.median(values)), "min": _sig(min(values)), "max": _sig(max(values))}
 
 
 def fingerprint(product: np.ndarray) -> dict:
@@ -183,7 +188,7 @@ def main() -> None:
             per_setting[s][name] = {
                 "jax_gflops": _stats(j),
                 "torch_gflops": _stats(t),
-                "jax_over_torch": round(statistics.median(a / b for a, b in zip(j, t)), 3),
+                "jax_over_torch": _sig(statistics.median(a / b for a, b in zip(j, t))),
             }
     out = {
         "benchmark": "matmul",
