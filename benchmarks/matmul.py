@@ -206,8 +206,8 @@ def main() -> None:
         # how each framework's matmuls scale from one core to all of the process's cores
         out["scaling"] = {
             name: {
-                side: round(
-                    statistics.median(gflops[(side, "all")][name]) / statistics.median(gflops[(side, "1")][name]), 2
+                side: _sig(
+                    statistics.median(gflops[(side, "all")][name]) / statistics.median(gflops[(side, "1")][name])
                 )
                 for side in ("jax", "torch")
             }
