@@ -4,12 +4,7 @@ optimizer, the schedule, the model) fails here rather than showing up later as a
 
 The run: a 2-layer llama-shaped model (vocab 16) from a fixed seed, on one CPU device (sums reduced across
 fake devices arrive in any order, and AdamW's first step turns such last-bit differences of near-zero gradients
-into whole steps: on 8 devices a loaded CI host moved the first loss by 0.9 %), with AdamW's epsilon at 1e-6
-rather than 1e-8 for the same reason: another CPU, or another XLA:CPU matmul kernel, sums in another order, and
-with 1e-8 the gradients at float32's noise floor became steps of the full learning rate (an AMD EPYC moved the
-first loss by 1.6e-3 and p(rewarded) by 8e-5 against a curve made on an Intel Xeon; with 1e-6, kernels that
-sum in different orders agree within 7% of the tolerance, and a 1% change of the learning rate still misses it
-by 12-760x); one fixed prompt; each step
+into whole steps: on 8 devices a loaded CI host moved the first loss by 0.9 %); one fixed prompt; each step
 samples 32 completions of one token from the current policy at the
 loss temperature (inverse CDF on fixed uniforms), rewards 1 for a token below 8, packs them in fixed shapes
 and trains on them with the recipe's loss defaults, two optimizer steps per batch (so the second sees ratios
@@ -21,6 +16,12 @@ plus 1e-6 absolute; rewards exactly (they are counts / 32). The run has its own 
 `--xla_cpu_experimental_ynn_fusion_type` fuses work into the matmuls (with epsilon 1e-8 it moved the first loss
 by 2.3e-4), and an in-process `intellect train` elsewhere in the suite used to leave it in the environment. A
 change of the objective or the optimizer moves the numbers by orders of magnitude more.
+
+AdamW's epsilon is 1e-6 here, not 1e-8, for the same reason as the single device: another CPU, or another
+XLA:CPU matmul kernel, sums in another order, and with 1e-8 the gradients at float32's noise floor became steps
+of the full learning rate (an AMD EPYC moved the first loss by 1.6e-3 and p(rewarded) by 8e-5 against a curve
+made on an Intel Xeon). With 1e-6, kernels that sum in different orders agree within 7% of the tolerance, and
+a 1% change of the learning rate still exceeds it 12-760x.
 
 When a change is meant to move the numbers, regenerate the file and commit it with the change, saying why:
 
