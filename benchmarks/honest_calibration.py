@@ -14,6 +14,10 @@ margin, and the most of a sample's and a batch's near-tie budget spent; `old_sig
 the samples the former signed-mean bound (no token forgiven) would have rejected.
 
     .venv/bin/python benchmarks/honest_calibration.py --lengths 1:16,2:16,3:8,6:8,24:8,96:4,512:4
+    .venv/bin/python benchmarks/honest_calibration.py --model runs/smollm2-135m --lengths 1:32,2:32,3:16,...
+
+With `--model`, the one policy is that checkpoint (e.g. SmolLM2-135M-Instruct from `intellect import-gguf`), its
+prompts arithmetic questions in its chat template.
 """
 
 from __future__ import annotations
@@ -56,6 +60,13 @@ def main() -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--policies", default="flat,peaked")
     parser.add_argument("--others", type=int, default=3, help="other requests generated beside each batch")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a Hugging Face directory to calibrate instead of the tiny policies (one policy, 'model'; its chat "
+        "template around arithmetic questions as the prompts)",
+    )
     args = parser.parse_args()
     lengths = _lengths(args.lengths)
     longest = max(limit for limit, _ in lengths)
@@ -67,10 +78,28 @@ def main() -> int:
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="honest-calibration-"))
-    flat = make_tiny_model(work / "flat")
-    models = {"flat": flat, "peaked": peaked_copy(flat, work / "peaked", 4.0)}
-    stops = stop_token_ids(flat)
     rng = np.random.default_rng(0)
+    if args.model is None:
+        flat = make_tiny_model(work / "flat")
+        models = {"flat": flat, "peaked": peaked_copy(flat, work / "peaked", 4.0)}
+        policies = args.policies.split(",")
+
+        def prompt() -> list[int]:
+            return rng.integers(3, 400, int(rng.integers(6, 40))).tolist()
+    else:
+        from transformers import AutoTokenizer
+
+        flat, models, policies = args.model, {"model": args.model}, ["model"]
+        tokenizer = AutoTokenizer.from_pretrained(str(args.model))
+        verbs = ("What is", "Compute", "Work out")
+
+        def prompt() -> list[int]:
+            a, b, op = int(rng.integers(2, 999)), int(rng.integers(2, 999)), ("plus", "minus", "times")[rng.integers(3)]
+            question = f"{verbs[rng.integers(3)]} {a} {op} {b}?"
+            chat = [{"role": "user", "content": question}]
+            return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+    stops = stop_token_ids(flat)
     settings, worst = (
         [],
         {
@@ -85,7 +114,7 @@ def main() -> int:
     completion_lengths: list[int] = []
     try:
         for dtype in args.dtypes.split(","):
-            for name in args.policies.split(","):
+            for name in policies:
                 model = models[name]
                 engine = Engine(model, 0, WorkerConfig(dtype=dtype, verify_swaps=0), max_model_len=longest + 64)
                 prefill = Prefill(model, dtype=dtype, batch_tokens=4096)
@@ -97,7 +126,7 @@ def main() -> int:
                             for limit, count in lengths:
                                 key = repr((dtype, name, temperature, top_p, limit))
                                 seeds = [zlib.crc32(f"{key}{i}".encode()) for i in range(count)]
-                                prompts = [rng.integers(3, 400, int(rng.integers(6, 40))).tolist() for _ in seeds]
+                                prompts = [prompt() for _ in seeds]
                                 others = [rng.integers(3, 400, 12).tolist() for _ in range(args.others)]
                                 out = engine.generate(
                                     prompts + others,
