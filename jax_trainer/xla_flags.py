@@ -4,10 +4,13 @@ XLA reads `XLA_FLAGS` once, when the first backend is created, so `apply(platfor
 first jax computation (best: before `import jax`). Flags the user already put in `XLA_FLAGS` win: a flag is
 only added when its name is not there yet.
 
-Measured on a 2-core x86 CPU (`benchmarks/train_step.py`, float32 GRPO step of a 4-layer Qwen2):
-
-- `--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`: XLA:CPU lets YNNPACK fuse elementwise and
-  reduction work into the matmuls it already runs through YNNPACK; a few percent on the whole step.
+An experimental XLA flag is in `FLAGS` only where a test of the real model's step holds with it
+(`tests/unit/jax_trainer/test_real_shapes.py`: SmolLM2-135M's shapes, layers cut, on two fake devices).
+`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce` was the CPU default (a few percent on a 4-layer
+Qwen2 step) until that step died at its first run with it: "Instruction with unsupported layout in YNN
+fusion: f32[8,128,3,32]{3,1,2,0}" (the rotary half of 3 KV heads of 64, in a transposed layout that
+YNNPACK's elementwise fusion does not take; `dot,reduce` and XLA's own default hold). So the CPU learner keeps
+XLA's default fusions; `benchmarks/train_step.py --shape smollm2-135m` measures them (docs/learner.md).
 
 YNNPACK's fusions allocate their intermediates themselves, outside XLA's buffer assignment, so no memory plan
 sees them: a Qwen2.5-0.5B-shaped step (8 layers, 2 fake devices, 16 x 160 tokens) grew the process by 4.67 GiB
@@ -31,7 +34,7 @@ import os
 from collections.abc import MutableMapping
 
 FLAGS: dict[str, tuple[str, ...]] = {
-    "cpu": ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",),
+    "cpu": (),
     "gpu": (),
     "tpu": (),
 }

@@ -95,11 +95,14 @@ def test_prepare_applies_the_xla_flags(monkeypatch):
     assert done["retain_freed_memory"] is False
     assert os.environ["XLA_FLAGS"].split()[0] == "--xla_cpu_enable_fast_math=false"
     assert all(flag in os.environ["XLA_FLAGS"] for flag in done["xla_flags"])
-    # without retention memory is tight: no YNNPACK fusion (its buffers are outside XLA's plan); with it, speed
+    # without retention memory is tight: no YNNPACK fusion (its buffers are outside XLA's plan); with it, the
+    # default flags, which hold no experimental fusion the real model's step fails with (test_real_shapes.py)
     assert "--xla_cpu_experimental_ynn_fusion_type=" in done["xla_flags"]
     monkeypatch.setenv("XLA_FLAGS", "")
     monkeypatch.setattr(host, "retain_freed_memory", lambda: True)
-    assert "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce" in host.prepare(True)["xla_flags"]
+    with_retention = host.prepare(True)["xla_flags"]
+    assert "--xla_cpu_experimental_ynn_fusion_type=" not in with_retention
+    assert not any("eltwise" in flag for flag in with_retention)
 
 
 def test_safety_flags_keep_the_users_value_and_start_jax(tmp_path):
