@@ -5,8 +5,8 @@ One run starts three worker processes, so that each side's peak memory is its ow
 - `jax`: `GRPOTrainer.step` (forward, chunked token logprobs, GRPO loss, backward, global-norm clip, AdamW);
   the process set up as `intellect train` sets itself up (`jax_trainer.host`: the XLA:CPU flags, and glibc
   told to keep freed memory, so that XLA's per-step buffers do not page-fault afresh every step);
-- `torch`: the same step in eager PyTorch: HF `Qwen2ForCausalLM` on the same weights (exported by our
-  bridge, loaded by transformers), the same loss written in torch, `clip_grad_norm_`, `torch.optim.AdamW`;
+- `torch`: the same step in eager PyTorch: the transformers model of the config (`AutoModelForCausalLM`) on
+  the same weights, the same loss written in torch, `clip_grad_norm_`, `torch.optim.AdamW`;
 - `peak`: a large float32 matmul through jax, the machine's practical FLOP/s ceiling.
 
 The parent runs them in rounds, one after the other and in alternating order, so that load from other
@@ -24,8 +24,17 @@ the embedding lookup, norms or biases); the second term is QK^T and PV of causal
 attends (seq + 1) / 2 keys on average. `flops_per_token_full_attention` uses seq instead of (seq + 1) / 2 (the
 PaLM convention) for comparison.
 
-    python benchmarks/train_step.py [--rounds 5] [--steps 3] [--no-xla-flags] [--no-retain-memory]
-        [--scan-layers auto|true|false] [--other-form]
+    python benchmarks/train_step.py [--model DIR | --shape NAME] [--layers N] [--seq 256] [--batch 8]
+        [--rounds 5] [--steps 3] [--no-xla-flags] [--no-retain-memory] [--scan-layers auto|true|false]
+        [--other-form]
+
+The model: by default a Qwen2-shaped stand-in made of `--hidden`, `--heads`, ... (random weights, exported by
+our bridge); `--model DIR` a Hugging Face directory (its own config: family, tied embeddings, RoPE theta, norm
+eps; its weights when it has safetensors, else random weights of its config); `--shape NAME` the config in
+`configs/shapes/NAME` (e.g. `smollm2-135m`, SmolLM2-135M-Instruct's) with random weights. `--layers` cuts
+either to that depth, with random weights. Each side's peak resident memory (`peak_rss_mb`, its own process)
+is reported beside its speed, and the JAX step's memory plan (`jax_plan_gib`: XLA's buffers per device)
+beside that.
 
 `--scan-layers` is the learner's `[model] scan_layers` (auto: unrolled on CPU); `--other-form` adds a second JAX
 worker with the layers in the other form, timed in the same rounds (`other_form` in the JSON).
@@ -47,18 +56,28 @@ from pathlib import Path
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = ROOT / "configs" / "shapes"
 LR, WEIGHT_DECAY, BETAS, EPS, GRAD_CLIP = 1e-5, 0.01, (0.9, 0.99), 1e-8, 0.1
 PROMPT_LEN = 64
 
 
 def hf_config(args) -> dict:
+    """The benchmarked model's Hugging Face config: `--model`'s or `--shape`'s (cut to `--layers`), else the
+    Qwen2 stand-in of the size arguments."""
+    source = _config_source(args)
+    if source is not None:
+        config = json.loads((source / "config.json").read_text())
+        if args.layers is not None:
+            config["num_hidden_layers"] = args.layers
+        return config
     return {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],
         "vocab_size": args.vocab,
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
+        "num_hidden_layers": args.layers if args.layers is not None else 4,
         "num_attention_heads": args.heads,
         "num_key_value_heads": args.kv_heads,
         "tie_word_embeddings": False,
@@ -69,25 +88,60 @@ def hf_config(args) -> dict:
     }
 
 
+def _config_source(args) -> Path | None:
+    """The directory whose config.json defines the model (`--model` or `--shape`), or None (the stand-in)."""
+    if getattr(args, "model", None):
+        return Path(args.model)
+    if getattr(args, "shape", None):
+        return SHAPES / args.shape
+    return None
+
+
+def _has_weights(directory: Path | None) -> bool:
+    return directory is not None and any(directory.glob("*.safetensors"))
+
+
 def make_batch(args) -> dict[str, np.ndarray]:
     """[1 micro-batch, batch rows, seq]: one sample per row (64 prompt tokens, the rest completion)."""
     from jax_trainer.packing import Sample, pack
 
+    vocab = int(hf_config(args)["vocab_size"])
     rng = np.random.default_rng(0)
     samples = []
     for i in range(args.batch):
-        tokens = rng.integers(0, args.vocab, args.seq).astype(np.int32)
+        tokens = rng.integers(0, vocab, args.seq).astype(np.int32)
         logprobs = np.zeros(args.seq, np.float32)
-        logprobs[PROMPT_LEN:] = -np.log(args.vocab) + rng.normal(0, 0.1, args.seq - PROMPT_LEN)
+        logprobs[PROMPT_LEN:] = -np.log(vocab) + rng.normal(0, 0.1, args.seq - PROMPT_LEN)
         samples.append(Sample(tokens, PROMPT_LEN, logprobs, float(rng.normal()), 0, name=f"row{i}"))
     return pack(samples, rows=args.batch, seq_len=args.seq).arrays()
 
 
-def flops_per_token(args, causal: bool = True) -> float:
-    h, n, kv, m, layers = args.hidden, args.heads, args.kv_heads, args.intermediate, args.layers
-    d = h // n
-    n_matmul = layers * (h * n * d + 2 * h * kv * d + n * d * h + 3 * h * m) + h * args.vocab
-    context = (args.seq + 1) / 2 if causal else args.seq
+def model_shape(args) -> dict:
+    """The benchmarked model's dimensions (from its config, via `ModelConfig`)."""
+    from jax_trainer.models import ModelConfig
+
+    config = hf_config(args)
+    cfg = ModelConfig.from_hf(config)
+    return {
+        "family": config.get("model_type"),
+        "hidden": cfg.hidden_size,
+        "intermediate": cfg.intermediate_size,
+        "layers": cfg.num_layers,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab": cfg.vocab_size,
+        "tied_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope.theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+    }
+
+
+def flops_per_token(shape: dict, seq: int, causal: bool = True) -> float:
+    h, n, kv, m, layers = shape["hidden"], shape["heads"], shape["kv_heads"], shape["intermediate"], shape["layers"]
+    d = shape["head_dim"]
+    n_matmul = layers * (h * n * d + 2 * h * kv * d + n * d * h + 3 * h * m) + h * shape["vocab"]
+    context = (seq + 1) / 2 if causal else seq
     return 6 * n_matmul + 12 * layers * n * d * context
 
 
@@ -158,6 +212,12 @@ def worker_jax(args) -> None:
             "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
             "retain_freed_memory": retained,
             "scanned": bool(model.scan_layers),
+            "plan_gib": {
+                "params": round(trainer.plan.params / 2**30, 3),
+                "opt_state": round(trainer.plan.opt_state / 2**30, 3),
+                "temporaries": round(trainer.plan.temporaries / 2**30, 3),
+                "peak": round(trainer.plan.peak / 2**30, 3),
+            },
         }
 
     def step():
@@ -175,7 +235,7 @@ def _packed(arrays):
 
 def worker_torch(args) -> None:
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     box = {}
 
@@ -206,7 +266,7 @@ def worker_torch(args) -> None:
         return float(loss), float(norm)
 
     def setup():
-        model = Qwen2ForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
         model.train()
         box["model"] = model
         box["opt"] = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -244,15 +304,15 @@ def worker_peak(args) -> None:
 
 
 def prepare(args) -> None:
-    """Random float32 weights, written as an HF directory by our bridge (both sides load these)."""
+    """Random float32 weights of the config, written as an HF directory by our bridge (both sides load these)."""
     import jax
 
     from jax_trainer.models import ModelConfig, export_hf, init_random
     from jax_trainer.sharding import make_mesh
 
-    cfg = ModelConfig.from_hf(hf_config(args))
-    model = init_random(cfg, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), seed=0)
-    export_hf(model, args.model_dir, version=0, hf_config=hf_config(args), dtype="float32", fsync=False)
+    config = hf_config(args)
+    model = init_random(ModelConfig.from_hf(config), mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), seed=0)
+    export_hf(model, args.model_dir, version=0, hf_config=config, dtype="float32", fsync=False)
 
 
 # ---- parent ------------------------------------------------------------------------------------------------
@@ -320,7 +380,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=1408, help="SwiGLU width (8/3 x hidden, rounded up)")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model", help="a Hugging Face model directory: its config, and its weights if it has safetensors")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(d.name for d in SHAPES.iterdir() if (d / "config.json").is_file()),
+        help="a config of configs/shapes, with random weights",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="depth (default: the config's; the stand-in's 4)")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=2048)
@@ -362,12 +428,21 @@ def main() -> None:
         {"jax": worker_jax, "torch": worker_torch, "peak": worker_peak, "prepare": prepare}[args.worker](args)
         return
 
+    if args.model and args.shape:
+        ap.error("--model and --shape are alternatives")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there")
     argv = [a for a in sys.argv[1:]]
+    shape = model_shape(args)
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
-        args.model_dir = str(Path(tmp) / "model")
-        subprocess.run(
-            [sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv], check=True
-        )
+        source = _config_source(args)
+        if _has_weights(source) and args.layers is None:
+            args.model_dir = str(source)  # the checkpoint itself, as both frameworks load it
+        else:
+            args.model_dir = str(Path(tmp) / "model")
+            subprocess.run(
+                [sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv], check=True
+            )
         workers = {k: Worker(k, args, argv) for k in ("jax", "torch", "peak")}
         if args.other_form:  # the JAX step with the layers in the other form, in the same rounds
             workers["jax_other"] = Worker("jax", args, argv + ["--scan-layers", _other_form(workers["jax"].ready)])
@@ -386,7 +461,7 @@ def main() -> None:
     tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in times if k != "peak"}
     other = _other_form_figures(tok_s, ready, rss) if args.other_form else None
     peak = [ready["peak"]["flops"] / statistics.median(ts) / 1e9 for ts in times["peak"]]
-    fpt = flops_per_token(args)
+    fpt = flops_per_token(shape, args.seq)
     jax_gflops = [t * fpt / 1e9 for t in tok_s["jax"]]
     torch_gflops = [t * fpt / 1e9 for t in tok_s["torch"]]
     ratio = [j / t for j, t in zip(tok_s["jax"], tok_s["torch"])]
@@ -396,7 +471,9 @@ def main() -> None:
             {
                 "benchmark": "train_step",
                 "model": {
-                    k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")
+                    **shape,
+                    "source": args.model or args.shape or "qwen2 stand-in",
+                    "weights": "checkpoint" if _has_weights(_config_source(args)) else "random",
                 },
                 "seq": args.seq,
                 "batch": args.batch,
@@ -412,7 +489,7 @@ def main() -> None:
                 "ratio": round(statistics.median(ratio), 3),
                 "ratio_per_round": [round(x, 3) for x in ratio],
                 "flops_per_token": fpt,
-                "flops_per_token_full_attention": flops_per_token(args, causal=False),
+                "flops_per_token_full_attention": flops_per_token(shape, args.seq, causal=False),
                 "jax_gflops": _stats(jax_gflops),
                 "torch_gflops": _stats(torch_gflops),
                 "peak_matmul_gflops": _stats(peak),
@@ -423,6 +500,8 @@ def main() -> None:
                 "jax_first_step_s": round(ready["jax"]["first_step_s"], 2),
                 "torch_first_step_s": round(ready["torch"]["first_step_s"], 2),
                 "peak_rss_mb": {k: round(rss[k]) for k in ("jax", "torch", "peak")},
+                "jax_over_torch_peak_rss": round(rss["jax"] / rss["torch"], 3),
+                "jax_plan_gib": ready["jax"]["plan_gib"],
                 "page_faults_per_step": faults,
                 "jax_retains_freed_memory": ready["jax"]["retain_freed_memory"],
                 "first_step": {

@@ -84,14 +84,18 @@ def parity_sequences(vocab_size: int, n: int = 4, seq_len: int = 48, seed: int =
 
 
 def jax_logits(model, sequences: list[list[int]]) -> list[np.ndarray]:
-    """Logits of each sequence from one batched forward (right padding cannot change earlier positions)."""
-    import jax.numpy as jnp
+    """Logits of each sequence from one batched forward (right padding cannot change earlier positions).
+
+    The forward is one jitted program. Run op by op on a mesh of several CPU devices, its hundreds of small
+    sharded programs, each with its own collectives, deadlocked XLA:CPU at the real model's shapes
+    (docs/learner.md, "Multi-device CPU meshes")."""
+    from flax import nnx
 
     longest = max(len(s) for s in sequences)
     batch = np.zeros((len(sequences), longest), np.int32)
     for i, s in enumerate(sequences):
         batch[i, : len(s)] = s
-    logits = np.asarray(model(jnp.asarray(batch)), dtype=np.float32)
+    logits = np.asarray(nnx.jit(lambda m, tokens: m(tokens))(model, batch), dtype=np.float32)
     return [logits[i, : len(s)] for i, s in enumerate(sequences)]
 
 

@@ -5,11 +5,19 @@ blocks that large with `mmap` and hands them back with `munmap` (or trims its he
 the same hundreds of MiB as new pages: one page fault per 4 KiB. Measured with `benchmarks/train_step.py`
 (4-layer Qwen2, seq 512, batch 8, float32) on the 2-core development VM: 293,000 minor faults per step,
 0.23 of a core in the kernel, 12-20% of the step. `retain_freed_memory` tells glibc to keep what it frees
-(no mmap for large blocks, one arena, so no per-thread heap is shrunk either, and the heap's top is trimmed
-only past 2 GiB free): over 30 steps, no fault at all after the first, and the resident size flat at 2.9 GB
-instead of 1.85 GB. That is the cost: memory the process freed stays its own. `trainer.retain_host_memory =
-"auto"` (the default) turns it on only for models small enough that this cannot exhaust the host
-(`auto_retain`); true or false force it.
+(one arena, so no per-thread heap is shrunk either; blocks below `RETAIN_BELOW` come from that heap instead of
+`mmap`; the heap's top is trimmed only past 2 GiB free): over 30 steps of that model, no fault at all after the
+first, and the resident size flat at 2.9 GB instead of 1.85 GB. That is the cost: memory the process freed
+stays its own. `trainer.retain_host_memory = "auto"` (the default) turns it on only for models small enough
+that this cannot exhaust the host (`auto_retain`); true or false force it.
+
+Blocks of `RETAIN_BELOW` (1 GiB) and more still go through `mmap`. XLA:CPU allocates a step's temporaries as
+one block, and at the real model's shapes that block is GiBs (4.1 GiB for SmolLM2-135M at 8 x 256 tokens): kept
+in the heap, it was not reused by the next step but grew the heap, each step by about a block, so that
+the process peaked at twice its plan and still faulted (8 of its 30 layers: 5.9 GiB and 340,000-470,000
+faults a step with no mmap at all; 3.05 GiB and 405,000-470,000 faults, the same kernel time, with the
+block mapped afresh; the whole model: 10.7 GiB against a 6.6 GiB plan). Below the threshold (the 4-layer
+model's step) nothing changes.
 
 Without retention, glibc still keeps much of what a step frees (blocks below its mmap threshold, spread over
 per-thread arenas): a Qwen2.5-0.5B-shaped learner on 2 fake devices held 9.7 GiB between steps for 5.5 GiB of
@@ -32,7 +40,8 @@ from jax_trainer import xla_flags
 
 log = logging.getLogger("jax_trainer.host")
 
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8  # mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt parameters (glibc malloc.h)
+RETAIN_BELOW = 1 << 30  # blocks this large or larger stay mmapped (the module docstring says why)
 
 
 def retain_freed_memory() -> bool:
@@ -43,10 +52,11 @@ def retain_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # each call returns 1 on success; arenas are limited first, before XLA starts its thread pools. Trimming is
-    # bounded, not off: with none at all the heap's free top grew by a step's worth every few steps
+    # bounded, not off: with none at all the heap's free top grew by a step's worth every few steps. A fixed
+    # mmap threshold also ends glibc's own sliding one (which never rises above 32 MiB)
     return all(
         mallopt(param, value) == 1
-        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, RETAIN_BELOW), (_M_TRIM_THRESHOLD, 2**31 - 1))
     )
 
 

@@ -4,10 +4,13 @@ XLA reads `XLA_FLAGS` once, when the first backend is created, so `apply(platfor
 first jax computation (best: before `import jax`). Flags the user already put in `XLA_FLAGS` win: a flag is
 only added when its name is not there yet.
 
-Measured on a 2-core x86 CPU (`benchmarks/train_step.py`, float32 GRPO step of a 4-layer Qwen2):
-
-- `--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce`: XLA:CPU lets YNNPACK fuse elementwise and
-  reduction work into the matmuls it already runs through YNNPACK; a few percent on the whole step.
+An experimental XLA flag is in `FLAGS` only where a test of the real model's step holds with it
+(`tests/unit/jax_trainer/test_real_shapes.py`: SmolLM2-135M's shapes, layers cut, on two fake devices).
+`--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce` was the CPU default (a few percent on a 4-layer
+Qwen2 step) until that step died at its first run with it: "Instruction with unsupported layout in YNN
+fusion: f32[8,128,3,32]{3,1,2,0}" (the rotary half of 3 KV heads of 64, in a transposed layout that
+YNNPACK's elementwise fusion does not take; `dot,reduce` and XLA's own default hold). So the CPU learner keeps
+XLA's default fusions; `benchmarks/train_step.py --shape smollm2-135m` measures them (docs/learner.md).
 
 YNNPACK's fusions allocate their intermediates themselves, outside XLA's buffer assignment, so no memory plan
 sees them: a Qwen2.5-0.5B-shaped step (8 layers, 2 fake devices, 16 x 160 tokens) grew the process by 4.67 GiB
@@ -19,10 +22,15 @@ for learners whose memory is tight (`jax_trainer.host.prepare` picks them when h
 
 `SAFETY` flags are not about speed and go wherever this project starts JAX (every `intellect` command, the
 tests): XLA:CPU ends the whole process (a fatal check, no Python error) when a participant of a collective
-arrives more than 40 s after the first one. On a fake multi-device CPU mesh
-(`--xla_force_host_platform_device_count`) all devices share the host's cores, so at real model sizes one
-device's share of a step can lag that long (seen with a Qwen2.5-0.5B-shaped model on 2 fake devices of a
-2-core machine). The rendezvous is given a day instead: a real deadlock still ends, a slow host does not.
+arrives more than 40 s after the first one (XLA's default). On a fake multi-device CPU mesh
+(`--xla_force_host_platform_device_count`) all devices share the host's cores, so one device's share of a
+step can lag; a Qwen2.5-0.5B-shaped model on 2 fake devices of a 2-core machine once lagged past 40 s. The
+honest lag measured since: SmolLM2-135M's whole step (30 layers, fsdp 2, 2 micro-batches of 16 x 128 tokens,
+remat full) on 2 fake devices of the 2-core machine under a load average of 6 raised no warning with XLA's
+stuck-collective warning at 1 s, so no participant waited a second. The one wait seen to last longer was a
+deadlock (`intellect parity` running the model op by op, docs/learner.md), which never ends. So the rendezvous
+gets `COLLECTIVE_TIMEOUT_S` = 300 s: more than 7 times the longest lag ever seen here and 300 times the one
+measured, after which a deadlock ends the process with XLA's message naming the collective instead of hanging.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import os
 from collections.abc import MutableMapping
 
 FLAGS: dict[str, tuple[str, ...]] = {
-    "cpu": ("--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce",),
+    "cpu": (),
     "gpu": (),
     "tpu": (),
 }
@@ -39,7 +47,7 @@ FLAGS: dict[str, tuple[str, ...]] = {
 
 LEAN: dict[str, tuple[str, ...]] = {"cpu": ("--xla_cpu_experimental_ynn_fusion_type=",), "gpu": (), "tpu": ()}
 
-COLLECTIVE_TIMEOUT_S = 86400
+COLLECTIVE_TIMEOUT_S = 300
 SAFETY: tuple[str, ...] = (
     f"--xla_cpu_collective_call_terminate_timeout_seconds={COLLECTIVE_TIMEOUT_S}",
     f"--xla_cpu_collective_timeout_seconds={COLLECTIVE_TIMEOUT_S}",
