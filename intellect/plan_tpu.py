@@ -18,21 +18,33 @@ import time
 from pathlib import Path
 
 
-def _fit_advice(plan, hbm: int, cfg) -> str:
-    """Which figure to change when the peak does not fit: the state, or the step's temporaries."""
+def _fit_advice(state_bytes: int, temporaries: str, hbm: int, cfg, mesh: dict) -> str:
+    """Which figure to change when the step does not fit: the state (parameters and optimizer state per chip), or
+    the step's temporaries (`temporaries`: their size as the plan or the compiler states it)."""
     t, m = cfg.trainer, cfg.model
-    state = plan.params + plan.opt_state
-    if state > 0.8 * hbm:
+    if state_bytes > 0.8 * hbm:
         return (
-            f"parameters and optimizer state alone take {state / 2**30:.1f} GiB per chip: raise trainer.fsdp "
-            f"({t.fsdp}) or trainer.tensor ({t.tensor}) over a larger slice, or lower model.param_dtype"
+            f"parameters and optimizer state alone take {state_bytes / 2**30:.1f} GiB per chip: raise trainer.fsdp "
+            f"({mesh['fsdp']}) or trainer.tensor ({mesh['tensor']}) over a larger slice, or lower model.param_dtype"
         )
     hint = "" if m.remat == "full" else f', or set model.remat = "full" (now {m.remat!r})'
     return (
-        f"the step's temporaries ({plan.temporaries / 2**30:.1f} GiB per chip) are activations of "
-        f"trainer.micro_batch_size = {t.micro_batch_size} rows of model.max_seq_len = {m.max_seq_len} tokens over "
-        f"data x fsdp = {t.data} x {t.fsdp}: lower trainer.micro_batch_size{hint}"
+        f"the step's temporaries ({temporaries}) are mostly activations of trainer.micro_batch_size = "
+        f"{t.micro_batch_size} rows of model.max_seq_len = {m.max_seq_len} tokens over data x fsdp = "
+        f"{mesh['data']} x {mesh['fsdp']}: lower trainer.micro_batch_size{hint}"
     )
+
+
+def _advice(plan, hbm: int, cfg) -> str:
+    return _fit_advice(
+        plan.params + plan.opt_state, f"{plan.temporaries / 2**30:.1f} GiB per chip", hbm, cfg, plan.mesh
+    )
+
+
+def _out_of_memory(exc: Exception) -> str | None:
+    """XLA:TPU's own refusal of a program that cannot fit the chip (its first line), else None."""
+    text = str(exc)
+    return text.splitlines()[0] if "RESOURCE_EXHAUSTED" in text else None
 
 
 def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = True) -> dict:
@@ -42,7 +54,7 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
     from jax_trainer import topology as topo
     from jax_trainer.models import ModelConfig, abstract_model
     from jax_trainer.models.decoder import remat_name, resolve_scan_layers
-    from jax_trainer.plan import compile_step, plan_of
+    from jax_trainer.plan import _shard_bytes, compile_step, plan_of
     from jax_trainer.sharding import make_mesh
 
     spec, devices = topo.tpu_devices(topology)
@@ -59,14 +71,43 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
     micro = -(-micro // t.steps_per_batch) * t.steps_per_batch
     scanned = resolve_scan_layers(m.scan_layers, platform)
 
-    def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro):
+    def trainer_at(layers: int, scan: bool, c=cfg):
         shaped = dataclasses.replace(model_cfg, num_layers=layers)
         model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scan, m.scan_unroll)
-        reference = model if c.loss.kl_coef else None
-        return compile_step(trainer_for(c, model, mesh, reference), mb, c.trainer.micro_batch_size, m.max_seq_len)
+        return trainer_for(c, model, mesh, model if c.loss.kl_coef else None)
+
+    def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro):
+        return compile_step(trainer_at(layers, scan, c), mb, c.trainer.micro_batch_size, m.max_seq_len)
 
     t0 = time.perf_counter()
-    compiled, _, state, batch = compiled_at(model_cfg.num_layers, scanned)
+    try:
+        compiled, _, state, batch = compiled_at(model_cfg.num_layers, scanned)
+    except Exception as exc:  # XLA:TPU refuses a program that cannot fit, as it would on the slice
+        refusal = _out_of_memory(exc)
+        if refusal is None:
+            raise
+        state = trainer_at(model_cfg.num_layers, scanned).abstract_state()
+        state_bytes = _shard_bytes(state.params) + _shard_bytes(state.opt_state)
+        return {
+            "topology": topology,
+            "libtpu_topology": spec.topology,
+            "chips": spec.chips,
+            "mesh": dict(mesh.shape),
+            "layers": model_cfg.num_layers,
+            "scanned": scanned,
+            "micro_batches": micro,
+            "rows": t.micro_batch_size,
+            "seq_len": m.max_seq_len,
+            "compile_s": round(time.perf_counter() - t0, 1),
+            "plan": None,
+            "hbm_bytes": spec.chip.hbm_bytes,
+            "fits": False,
+            "compiler": refusal,
+            "state_bytes": state_bytes,
+            "advice": _fit_advice(
+                state_bytes, "the compiler's figure above", spec.chip.hbm_bytes, cfg, dict(mesh.shape)
+            ),
+        }
     compile_s = time.perf_counter() - t0
     plan = plan_of(compiled, mesh, state, batch)
     kernels = step_cost.mosaic_calls(compiled)
@@ -86,7 +127,7 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
         "plan": plan,
         "hbm_bytes": spec.chip.hbm_bytes,
         "fits": plan.fits(spec.chip.hbm_bytes),
-        "advice": None if plan.fits(spec.chip.hbm_bytes) else _fit_advice(plan, spec.chip.hbm_bytes, cfg),
+        "advice": None if plan.fits(spec.chip.hbm_bytes) else _advice(plan, spec.chip.hbm_bytes, cfg),
     }
     if cost and out["fits"]:  # the cost of a step that cannot run is not worth two more compiles
         one_chunk = cfg.model_copy(
@@ -130,10 +171,19 @@ def lines(result: dict, cfg) -> list[str]:
         f"on {result['topology']} ({result['libtpu_topology']}, {result['chips']} chips); {result['micro_batches']} "
         f"micro-batches of {result['rows']} x {result['seq_len']} tokens; params {m.param_dtype}, compute "
         f"{m.compute_dtype}, remat {m.remat}; XLA:TPU analysis",
-        f"  compiled in {result['compile_s']:.1f} s; attention {result['attention']}"
-        + (f" ({result['mosaic_calls']} Mosaic tpu_custom_call in the program)" if result["mosaic_calls"] else ""),
     ]
-    out += [line.replace("per device", "per chip") for line in plan.lines(result["hbm_bytes"])]
+    if plan is None:
+        out.append(f"  XLA:TPU refused the program after {result['compile_s']:.1f} s: {result['compiler']}")
+        out += [
+            f"  parameters and optimizer state {result['state_bytes'] / 2**30:.2f} GiB per chip",
+            f"  DOES NOT FIT in {result['hbm_bytes'] / 2**30:.2f} GiB per chip",
+        ]
+    else:
+        out.append(
+            f"  compiled in {result['compile_s']:.1f} s; attention {result['attention']}"
+            + (f" ({result['mosaic_calls']} Mosaic tpu_custom_call in the program)" if result["mosaic_calls"] else "")
+        )
+        out += [line.replace("per device", "per chip") for line in plan.lines(result["hbm_bytes"])]
     cost = result.get("cost")
     if cost is not None:
         out += [
@@ -175,10 +225,10 @@ def run_tpu(cfg, args: argparse.Namespace) -> int:
     except (LibtpuMissing, FileNotFoundError) as exc:
         print(f"intellect plan: {exc}")
         return 2
-    if args.device_memory_gib:
+    if args.device_memory_gib and result["plan"] is not None:
         result["hbm_bytes"] = int(args.device_memory_gib * 2**30)
         result["fits"] = result["plan"].fits(result["hbm_bytes"])
-        result["advice"] = None if result["fits"] else _fit_advice(result["plan"], result["hbm_bytes"], cfg)
+        result["advice"] = None if result["fits"] else _advice(result["plan"], result["hbm_bytes"], cfg)
     for line in lines(result, cfg):
         print(line)
     return 0 if result["fits"] else 1

@@ -154,10 +154,6 @@ def test_scaled_cost_matches_a_direct_compile_of_the_unrolled_step(tmp_path):
     cost = result["cost"]
     assert math.isclose(cost.flops, flops, rel_tol=0.02), (cost.flops, flops)
     assert cost.bytes * 0.9 <= nbytes <= cost.bytes_high * 1.1, (cost.bytes, nbytes, cost.bytes_high)
-    # and the scanned program's own analysis undercounts: the loop body once
-    assert step_cost.analysed(compile_step(GRPOTrainer(abstract_model(model_cfg, "float32", "bfloat16", "full", True),
-                                                       mesh, cfg.loss, cfg.optim, cfg.trainer), 1, 8, 256)[0])[0] \
-        < 0.8 * flops  # fmt: skip
 
 
 def test_the_tpu_recipe_sharding_compiles_at_a_shallow_depth(tmp_path):
@@ -181,18 +177,23 @@ def test_the_tpu_recipe_sharding_compiles_at_a_shallow_depth(tmp_path):
 
 
 def test_a_batch_too_large_for_the_chip_exits_non_zero_and_names_what_to_change(tmp_path):
+    """XLA:TPU refuses a program that cannot fit the chip's HBM, as it would on the slice: `intellect plan` says so,
+    exits 1 and names the figure to change."""
     shape = _hf_config(
-        tmp_path, num_hidden_layers=2, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=32768, head_dim=128,
+        tmp_path, num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=512, head_dim=32,
     )  # fmt: skip
     cmd = [
         sys.executable, "-m", "intellect", "plan", "configs/qwen2_5_0_5b_gsm8k.toml", "--topology", "v5e-4",
-        "--model.path", str(shape), "--trainer.micro_batch_size=512", "--model.remat=none",
+        "--model.path", str(shape), "--model.remat=none",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    fits = subprocess.run(cmd + ["--trainer.micro_batch_size=16"], capture_output=True, text=True, timeout=300)
+    assert fits.returncode == 0 and "fits in 16.00 GiB per chip" in fits.stdout, fits.stdout + fits.stderr[-3000:]
+    assert "roofline" in fits.stdout and "attention splash" in fits.stdout, fits.stdout
+    done = subprocess.run(cmd + ["--trainer.micro_batch_size=4096"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
-    assert "DOES NOT FIT in 16.00 GiB per chip" in done.stdout, done.stdout
-    assert "lower trainer.micro_batch_size" in done.stdout and "XLA:TPU analysis" in done.stdout, done.stdout
+    assert "DOES NOT FIT in 16.00 GiB per chip" in done.stdout and "RESOURCE_EXHAUSTED" in done.stdout, done.stdout
+    assert "lower trainer.micro_batch_size" in done.stdout and "model.remat" in done.stdout, done.stdout
 
 
 def test_without_libtpu_the_plan_says_how_to_install_it(monkeypatch):
