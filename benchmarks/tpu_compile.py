@@ -118,6 +118,7 @@ def run_case(name: str, extra: list[str], cpu_plan: bool, cpu_timeout: float, wo
         "fits": result["fits"],
         "advice": result["advice"],
         "flops_per_step": float(f"{cost.flops:.4g}"),
+        "cost_program_loops": result["cost_loops"],
         "bytes_per_step": float(f"{cost.bytes:.4g}"),
         "bytes_per_step_high": float(f"{cost.bytes_high:.4g}"),
         "splash_flops_estimate": float(f"{cost.attention_flops:.4g}"),

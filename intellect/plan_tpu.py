@@ -76,8 +76,8 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
         model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scan, m.scan_unroll)
         return trainer_for(c, model, mesh, model if c.loss.kl_coef else None)
 
-    def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro):
-        return compile_step(trainer_at(layers, scan, c), mb, c.trainer.micro_batch_size, m.max_seq_len)
+    def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro, options=None):
+        return compile_step(trainer_at(layers, scan, c), mb, c.trainer.micro_batch_size, m.max_seq_len, options)
 
     t0 = time.perf_counter()
     try:
@@ -142,7 +142,9 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
         one_chunk = one_chunk.model_copy(
             update={"trainer": one_chunk.trainer.model_copy(update={"micro_batch_size": shards})}
         )
-        figures = [step_cost.analysed(compiled_at(n, False, one_chunk, 1)[0]) for n in (1, 2)]
+        programs = [compiled_at(n, False, one_chunk, 1, step_cost.COST_OPTIONS)[0] for n in (1, 2)]
+        figures = [step_cost.analysed(p) for p in programs]
+        out["cost_loops"] = max(step_cost.loops(p) for p in programs)
         rows = max(t.micro_batch_size // shards, 1)
         costs = step_cost.scale_layers(figures[0], figures[1], model_cfg.num_layers, micro, rows)
         if kernels:
@@ -187,8 +189,13 @@ def lines(result: dict, cfg) -> list[str]:
     cost = result.get("cost")
     if cost is not None:
         out += [
-            f"  FLOPs per step    {cost.flops:.3e} per chip ({cost.layer_flops:.3e} per layer and micro-batch; "
-            "XLA's cost analysis scaled to the full depth)",
+            f"  FLOPs per step    {cost.flops:.3e} per chip ({cost.layer_flops:.3e} per layer and row; XLA's cost "
+            "analysis scaled to the full depth"
+            + (
+                f"; a lower bound: {result['cost_loops']} loops left in the analysed programs)"
+                if result["cost_loops"]
+                else ")"
+            ),
             f"  bytes per step    {cost.bytes:.3e} to {cost.bytes_high:.3e} per chip (weights read once per "
             "micro-batch / once per row)",
             f"  roofline          {1e3 * result['roofline_s']:.2f} ms per step ({chip.peak_flops / 1e12:.0f} TFLOP/s, "

@@ -97,15 +97,16 @@ def plan_step(trainer, micro_batches: int, rows: int, seq_len: int) -> MemoryPla
     return plan_of(*compile_step(trainer, micro_batches, rows, seq_len))
 
 
-def compile_step(trainer, micro_batches: int, rows: int, seq_len: int):
+def compile_step(trainer, micro_batches: int, rows: int, seq_len: int, compiler_options: dict | None = None):
     """(compiled step, mesh, abstract state, abstract batch): `trainer`'s step compiled on abstract arrays for
-    its mesh's devices, which may be compile-only ones (`jax_trainer.topology.tpu_devices`)."""
+    its mesh's devices, which may be compile-only ones (`jax_trainer.topology.tpu_devices`), with XLA
+    `compiler_options` if given."""
     state = trainer.abstract_state()
     batch = trainer.abstract_batch(micro_batches, rows, seq_len)
     reference = None
     if trainer.ref_params is not None:  # the KL reference: the same shapes and shardings as the parameters
         trainer.ref_params = reference = state.params
-    compiled = trainer.lower(state, batch, reference).compile()
+    compiled = trainer.lower(state, batch, reference).compile(compiler_options=compiler_options)
     return compiled, trainer.mesh, state, batch
 
 

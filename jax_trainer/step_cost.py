@@ -10,7 +10,12 @@ grow with the rows and micro-batches of a step, so they are multiplied by both (
 once per row this way, is a small elementwise term). Bytes do not: the weights are read once per micro-batch
 whatever its rows, so bytes x micro-batches is a lower bound and bytes x micro-batches x rows an upper bound;
 the roofline uses the lower one, so that it stays a lower bound on the step time. The figures are per device:
-the analysed program is the SPMD-partitioned one.
+the analysed program is the SPMD-partitioned one. XLA:TPU's partitioner makes loops of its own: a matmul whose
+weights are all-gathered over fsdp (or whose result is reduce-scattered) becomes a windowed einsum, a loop over
+the weight's shards that overlaps the transfers with the matmul (14 such loops in one QwQ-32B layer on v5p-128),
+and the analysis counts one shard's piece of it. The cost compiles turn windowed einsums off (`COST_OPTIONS`; the
+same FLOPs, computed without overlap), and `loops` counts whatever loops remain in them (0 for this learner's
+step): with any left, the FLOPs are a lower bound.
 
 What the cost analysis leaves out: custom calls, among them the Pallas kernels (splash attention's Mosaic
 `tpu_custom_call`s count 0 FLOPs and 0 bytes). `attention_flops` estimates what splash computes: per row and
@@ -25,6 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 MOSAIC_CALL = "tpu_custom_call"  # how a Pallas TPU kernel appears in the compiled HLO
+COST_OPTIONS = {  # XLA:TPU options of the cost compiles: no windowed einsum loops (module docstring)
+    "xla_tpu_enable_windowed_einsum_for_all_gather": False,
+    "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +61,11 @@ def analysed(compiled) -> tuple[float, float]:
     if isinstance(cost, (list, tuple)):
         cost = cost[0]
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def loops(compiled) -> int:
+    """How many while loops the compiled program holds (each one's body is counted once by the cost analysis)."""
+    return compiled.as_text().count(" while(")
 
 
 def mosaic_calls(compiled) -> int:
