@@ -9,6 +9,8 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# libtpu is installed (for `intellect plan --topology`): JAX on this host stays on CPU without probing for TPUs
+export JAX_PLATFORMS ?= cpu
 
 .PHONY: install demo test format clean
 

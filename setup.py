@@ -57,6 +57,10 @@ def jax_requirement(pin: str, variant: str) -> str:
 
 
 JAX = "jax==0.10.2"  # constraints.txt pins jax and jaxlib; the CUDA/TPU plugins follow jax's extra
+# XLA:TPU for planning on any x86-64 Linux host (`intellect plan --topology`): the libtpu that jax[tpu]==0.10.2
+# requires, installed beside the CPU jaxlib (it compiles for TPU topologies; JAX_PLATFORMS=cpu keeps the host's
+# own computations on CPU)
+TPU_PLAN = ['libtpu==0.0.42.*; sys_platform == "linux" and platform_machine == "x86_64"']
 
 
 BASE = [
@@ -124,13 +128,14 @@ if __name__ == "__main__":  # pip and setuptools run this file as __main__; test
         install_requires=BASE,
         extras_require={
             "trainer": TRAINER + WANDB,
+            "tpu-plan": TPU_PLAN,
             "wandb": WANDB,
             "worker": WORKER,
             "orchestrator": ORCHESTRATOR,
             "postgres": POSTGRES,
             "gguf": GGUF,
             "dev": DEV,
-            "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV + GGUF,
+            "all": TRAINER + WANDB + TPU_PLAN + WORKER + ORCHESTRATOR + DEV + GGUF,
         },
         entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
     )

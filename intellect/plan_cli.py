@@ -12,6 +12,15 @@ with scanned layers compile at their full depth (the scanned program holds one l
 made on CPU for an accelerator's scanned program says `--model.scan_layers true`. Unrolled models deeper than
 `--depth-from` layers (default 8) are compiled at that depth and at twice it, and extrapolated linearly in depth
 (their compile would otherwise take long on one host); the plan says when it did.
+
+`--topology NAME` (`v5p-8`, `v5p-128`, `v6e-8`, `v5e-16`, or a libtpu topology such as `v5p:4x4x4`;
+`jax_trainer.topology`) compiles the step for that TPU slice with XLA:TPU, from any host with libtpu installed
+(`make install` installs it): the recipe's mesh over the slice's compile-only devices, and every choice made per
+backend (attention "auto" = splash, scan_layers "auto" = scanned, remat offload to pinned host memory, the XLA
+flag set) made for TPU. It prints XLA:TPU's memory analysis per chip against the chip's HBM, the step's FLOPs and
+bytes per chip from the cost analysis scaled to the full depth (`jax_trainer.step_cost`), the roofline time
+they imply, the compile time and the attention kernel found in the compiled program. A plan that does not fit
+exits 1 and names the figure to change.
 """
 
 from __future__ import annotations
@@ -40,6 +49,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="micro-batches per step (default trainer.micro_batches, else 1: memory depends on one)",
     )
     p.add_argument(
+        "--topology",
+        default=None,
+        help="compile for this TPU slice with XLA:TPU (needs libtpu): v5p-8, v5p-128, v6e-8, v5e-16, v5p:4x4x4 ...",
+    )
+    p.add_argument(
         "--depth-from",
         type=int,
         default=8,
@@ -59,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from intellect.cli import config_from_args
 
     cfg = config_from_args(args)
+    if args.topology:
+        from intellect.plan_tpu import run_tpu
+
+        return run_tpu(cfg, args)
     devices = _devices_needed(cfg, args.devices)
     if devices and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":  # before jax starts a backend
         flags = [

@@ -24,6 +24,10 @@ Implementations (`[model] attention`, `IMPLEMENTATIONS`):
   mesh. seq must be a multiple of 128.
 - `auto`: `splash` on TPU, `cudnn` on GPU when the compute dtype is bfloat16/float16 (cuDNN has no float32
   flash kernel), `xla` otherwise.
+
+The backend is the one the program is compiled for (`jax_trainer.topology.platform`: the devices of the mesh in
+context, `jax.set_mesh`), not the host's: a CPU host compiling for a TPU slice's compile-only devices gets
+splash.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_trainer import kernels
+from jax_trainer import kernels, topology
 from jax_trainer.sharding import logical_to_spec
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "splash")
@@ -51,11 +55,12 @@ def check_name(name: str) -> str:
 
 
 def resolve(name: str, dtype, backend: str | None = None) -> str:
-    """The implementation `name` runs as on `backend` (default: `jax.default_backend()`) for `dtype` inputs."""
+    """The implementation `name` runs as on `backend` (default: `topology.platform()`, the platform of the mesh in
+    context, else the default backend) for `dtype` inputs."""
     check_name(name)
     if name != "auto":
         return name
-    backend = backend or jax.default_backend()
+    backend = backend or topology.platform()
     if backend == "tpu":
         return "splash"
     if backend in ("gpu", "cuda", "rocm") and jnp.dtype(dtype) in map(jnp.dtype, CUDNN_DTYPES):
@@ -89,8 +94,8 @@ def attention(
         )
     if segment_ids.shape != (b, s):
         raise ValueError(f"attention: segment_ids {segment_ids.shape} must be [batch, seq] = {(b, s)}")
-    impl = resolve(implementation, q.dtype)
-    backend = jax.default_backend()
+    backend = topology.platform()
+    impl = resolve(implementation, q.dtype, backend)
     if impl == "xla":
         return _xla(q, k, v, segment_ids)
     if impl == "cudnn":
@@ -128,7 +133,6 @@ def _splash_block(s: int) -> int:
     raise ValueError(f"attention 'splash' needs seq ({s}) to be a multiple of 128")
 
 
-@functools.cache
 def _splash_kernel(s: int, group: int, block: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -143,10 +147,10 @@ def _splash_kernel(s: int, group: int, block: int, interpret: bool):
         block_q_dq=block,
         block_kv_dq=block,
     )
-    # the kernel holds its mask's block tables as arrays: make them concrete even when first built under a jit,
-    # so that the cached kernel carries no tracer into later traces
-    with jax.ensure_compile_time_eval():
-        return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # built inside each trace: the kernel holds its mask's block tables as arrays, which become constants of the
+    # program (splash caches the numpy work of making them). Made eagerly, they would be placed on the mesh's
+    # devices, which cannot hold arrays when they are a compile-only TPU topology's
+    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def _splash(q, k, v, segment_ids, interpret):

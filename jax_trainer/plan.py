@@ -94,13 +94,20 @@ def _shard_bytes(tree) -> int:
 def plan_step(trainer, micro_batches: int, rows: int, seq_len: int) -> MemoryPlan:
     """The memory plan of `trainer`'s step on batches of [micro_batches, rows, seq_len] (nothing allocated; a
     trainer with a KL reference gets an abstract one in its place, so use a trainer built for planning)."""
+    return plan_of(*compile_step(trainer, micro_batches, rows, seq_len))
+
+
+def compile_step(trainer, micro_batches: int, rows: int, seq_len: int, compiler_options: dict | None = None):
+    """(compiled step, mesh, abstract state, abstract batch): `trainer`'s step compiled on abstract arrays for
+    its mesh's devices, which may be compile-only ones (`jax_trainer.topology.tpu_devices`), with XLA
+    `compiler_options` if given."""
     state = trainer.abstract_state()
     batch = trainer.abstract_batch(micro_batches, rows, seq_len)
     reference = None
     if trainer.ref_params is not None:  # the KL reference: the same shapes and shardings as the parameters
         trainer.ref_params = reference = state.params
-    compiled = trainer.jitted_step(state, batch).lower(state, batch, reference).compile()
-    return plan_of(compiled, trainer.mesh, state, batch)
+    compiled = trainer.lower(state, batch, reference).compile(compiler_options=compiler_options)
+    return compiled, trainer.mesh, state, batch
 
 
 def plan_of(compiled, mesh, state, batch) -> MemoryPlan:

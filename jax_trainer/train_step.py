@@ -253,6 +253,14 @@ class GRPOTrainer:
             donate_argnums=(0,),
         )
 
+    def lower(self, state, batch, ref_params=None):
+        """The step lowered for `state` and `batch` (arrays or `ShapeDtypeStruct`s with shardings) under
+        `jax.set_mesh(self.mesh)`: the activations' sharding constraints, splash attention's `shard_map` and every
+        per-backend choice made while tracing (`jax_trainer.topology.platform`) follow the mesh's devices, which may
+        be compile-only devices of another platform (`intellect plan --topology`)."""
+        with jax.set_mesh(self.mesh):
+            return self.jitted_step(state, batch).lower(state, batch, ref_params)
+
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes, dtypes and shardings of a packed batch (`jax_trainer.packing`), without memory."""
         shape = (micro_batches, rows, seq_len)
@@ -272,7 +280,7 @@ class GRPOTrainer:
         if compiled is None:
             from jax_trainer.plan import plan_of
 
-            compiled = self.jitted_step(state, batch).lower(state, batch, self.ref_params).compile()
+            compiled = self.lower(state, batch, self.ref_params).compile()
             self._compiled[shape] = compiled
             self.plan = plan_of(compiled, self.mesh, state, batch)
             for line in self.plan.lines():

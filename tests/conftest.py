@@ -1,5 +1,6 @@
 """Shared test fixtures, and the environment every test process needs (set before jax or vllm is imported):
-8 fake CPU devices so that sharding is exercised for real, and an in-process vLLM engine with a small KV cache.
+8 fake CPU devices so that sharding is exercised for real, JAX on CPU only (libtpu, installed for the TPU compile
+tests, is never probed), and an in-process vLLM engine with a small KV cache.
 Values already in the environment (e.g. from the Makefile) win. tests/ is put on `sys.path`, whatever pytest's
 import mode, so that every test imports the shared helpers as `from helpers import ...` (tests/helpers.py)."""
 
@@ -14,6 +15,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# libtpu is installed for the TPU compile tests: every JAX process of the suite (this one and those it starts, which
+# inherit the environment) runs on CPU without probing for TPU chips; the compile-only TPU devices need no TPU
+# backend. Two pytest workers may load libtpu at once, and no TPU VM metadata server is asked for a topology.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
 from jax_trainer.xla_flags import apply_safety  # noqa: E402
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_trainer import topology
 from jax_trainer.models.config import ModelConfig
 from jax_trainer.models.layers import (
     DENSE_NAME,
@@ -76,12 +77,13 @@ class DecoderLayer(nnx.Module):
 
 def resolve_scan_layers(scan_layers: bool | str, backend: str | None = None) -> bool:
     """Whether the layers run under one `lax.scan`: booleans as given; "auto" scans everywhere but on the CPU
-    backend (default: `jax.default_backend()`), where the unrolled step runs faster (module docstring)."""
+    backend, where the unrolled step runs faster (module docstring). `backend` defaults to the platform the
+    program is compiled for (`topology.platform()`: the mesh in context, else the default backend)."""
     if isinstance(scan_layers, bool):
         return scan_layers
     if scan_layers != "auto":
         raise ValueError(f"scan_layers {scan_layers!r} must be true, false or 'auto'")
-    return (backend or jax.default_backend()) != "cpu"
+    return (backend or topology.platform()) != "cpu"
 
 
 def remat_name(remat: str | bool) -> str:
@@ -93,23 +95,29 @@ def remat_name(remat: str | bool) -> str:
     return remat
 
 
-@functools.lru_cache(maxsize=None)
-def has_pinned_host() -> bool:
-    """Whether the default device has pinned host memory distinct from its own (GPU, TPU; not CPU)."""
-    device = jax.devices()[0]
-    return device.platform != "cpu" and "pinned_host" in {m.kind for m in device.addressable_memories()}
+def has_pinned_host(device=None) -> bool:
+    """Whether the device programs are compiled for (default: of the mesh in context, else the default one) has
+    pinned host memory distinct from its own (GPU, TPU; not CPU)."""
+    return topology.has_pinned_host(device)
+
+
+def checkpoint_policy(remat: str, pinned_host: bool | None = None):
+    """The `jax.checkpoint` policy of a named remat policy (None for `none`: no checkpoint at all); `pinned_host`
+    (default `has_pinned_host()`, asked while tracing, under the target's mesh) decides what `offload` is."""
+    if remat == "offload" and pinned_host is None:
+        pinned_host = has_pinned_host()
+    return _policy(remat, bool(pinned_host))
 
 
 @functools.lru_cache(maxsize=None)
-def checkpoint_policy(remat: str):
-    """The `jax.checkpoint` policy of a named remat policy (None for `none`: no checkpoint at all)."""
+def _policy(remat: str, pinned_host: bool):
     policies = jax.checkpoint_policies
     if remat == "none":
         return None
     if remat == "save_dots":
         return policies.save_only_these_names(DENSE_NAME)
     if remat == "offload":
-        if has_pinned_host():
+        if pinned_host:
             return policies.save_and_offload_only_these_names(
                 names_which_can_be_saved=[],
                 names_which_can_be_offloaded=[DENSE_NAME],
@@ -118,7 +126,7 @@ def checkpoint_policy(remat: str):
             )
         log.warning(
             "remat 'offload': %s has no pinned host memory apart from its own, running as remat 'full'",
-            jax.devices()[0].platform,
+            topology.platform(),
         )
     return policies.nothing_saveable
 
