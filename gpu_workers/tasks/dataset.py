@@ -14,11 +14,11 @@ each with default column names that `data.columns` overrides field by field:
   `check(candidate)`), canonical_solution (optional), solve_rate: reward `code` on the program made of the
   prompt, the completion's code, the test code and `check(entry_point)`.
 
-Files (`load_tasks`): JSONL (`.jsonl`, `.json`), parquet, Arrow (`.arrow`), or a directory: one written by Hugging
-Face `datasets`' `Dataset.save_to_disk` (Arrow stream files listed in its `state.json`; read with pyarrow, the
-`datasets` package is not needed) or a directory of parquet files (one split, read in name order). A
-`DatasetDict` saved to disk is refused with its split directories named: point at one of them. A row that does
-not fit its format raises `TaskDataError` naming the file, the row and the field.
+Files (`load_tasks`): JSONL (`.jsonl`, `.json`, gzipped `.jsonl.gz`), parquet, Arrow (`.arrow`), or a directory:
+one written by Hugging Face `datasets`' `Dataset.save_to_disk` (Arrow stream files listed in its `state.json`;
+read with pyarrow, the `datasets` package is not needed) or a directory of parquet files (one split, read in name
+order). A `DatasetDict` saved to disk is refused with its split directories named: point at one of them. A row
+that does not fit its format raises `TaskDataError` naming the file, the row and the field.
 
 INTELLECT-2 filtered its data offline by the base model's solve rate, keeping [0.1, 0.8]: `filter_solve_rate`
 does that, and tasks without a solve rate are kept (there is nothing to filter them on).
@@ -252,7 +252,9 @@ _MAKERS = {"plain": _plain, "gsm8k": _gsm8k, "math": _math, "humaneval": _humane
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict]]:
-    with open(path) as f:
+    import gzip
+
+    with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -345,14 +347,15 @@ def _rows(path: Path) -> Iterator[tuple[str, dict]]:
         return _directory_rows(path)
     if not path.exists():
         raise TaskDataError(f"{path}: no such task file or directory")
-    if path.suffix in (".jsonl", ".json"):
+    if path.suffix in (".jsonl", ".json") or path.name.endswith((".jsonl.gz", ".json.gz")):
         return _jsonl_rows(path)
     if path.suffix == ".parquet":
         return _parquet_rows(path)
     if path.suffix == ".arrow":
         return _arrow_rows(path)
     raise TaskDataError(
-        f"{path}: unknown task file type {path.suffix!r}; use .jsonl, .parquet, .arrow or a directory saved by datasets"
+        f"{path}: unknown task file type {path.suffix!r}; use .jsonl (or .jsonl.gz), .parquet, .arrow or a "
+        "directory saved by datasets"
     )
 
 

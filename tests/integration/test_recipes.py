@@ -45,7 +45,7 @@ def _distinct(recipes: list[Path]) -> list[Path]:
 
 
 RECIPES = _distinct(sorted(Path("configs").glob("*.toml")))
-FAMILIES = (("qwen3", "qwen3"), ("qwq", "qwen2"), ("qwen2", "qwen2"), ("llama", "llama"))
+FAMILIES = (("qwen3", "qwen3"), ("qwq", "qwen2"), ("qwen2", "qwen2"), ("llama", "llama"), ("smollm", "llama"))
 
 
 def _family(model_path: str) -> str:

@@ -110,6 +110,10 @@ def non_default_config(tmp_path: Path) -> Config:
     w["max_tokens"] = d["max_new_tokens"] - 1
     d["length_targets"] = [d["max_new_tokens"] // 2]
     d["solve_rate_min"], d["solve_rate_max"] = 0.2, 0.7
+    # a reasoning-gym task: a generator and config reasoning-gym has, and no task file (data.path stays unset)
+    d.update(task="reasoning_gym", generator="letter_counting", generator_config={"min_words": 4})
+    d.pop("path")
+    fixed.add("data.path")
     loss["delta"] = 1 + loss["eps_high"] + 1.5
     if loss["policy_loss"] == "dr_grpo":  # the Dr. GRPO preset fixes these two (both still non-default)
         loss.update(aggregation="seq_mean_token_sum_norm", std_normalize=False)
