@@ -11,6 +11,8 @@ export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 # libtpu is installed (for `intellect plan --topology`): JAX on this host stays on CPU without probing for TPUs
 export JAX_PLATFORMS ?= cpu
+# and vLLM's CPU build would see libtpu and activate its TPU plugin beside the CPU one
+export VLLM_TARGET_DEVICE ?= cpu
 
 .PHONY: install demo test format clean
 

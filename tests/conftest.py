@@ -21,6 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "true")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# vLLM's CPU build would see libtpu and activate its TPU platform plugin beside the CPU one (gpu_workers/__init__)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from jax_trainer.xla_flags import apply_safety  # noqa: E402
 
