@@ -5,8 +5,9 @@ Prints, per device of the configured mesh, the bytes of parameters, optimizer st
 step's temporaries, from XLA's memory analysis of the compiled step on abstract arrays (`jax_trainer.plan`:
 nothing is allocated, so a 32B model's plan runs on a laptop), and whether the peak fits the device memory
 given. The model's shape comes from `model.path`'s config.json (only that file is read). With no accelerator
-here, `--devices N` compiles for N fake CPU devices: XLA:CPU's memory analysis then stands in for the TPU's or
-GPU's, a close estimate of the same program's buffers (fusion and layout choices differ per backend). Models
+here, `--devices N` compiles for N fake CPU devices: XLA:CPU's memory analysis then stands in for the GPU's, an
+estimate of the same program's buffers (fusion and layout choices differ per backend; XLA:CPU's peak was 1.4x
+XLA:TPU's for the Qwen2.5-0.5B recipe and 2.9x for QwQ-32B's, benchmarks/RESULTS.md). Models
 with scanned layers compile at their full depth (the scanned program holds one layer). `model.scan_layers =
 "auto"` (the default) resolves as `intellect train` would resolve it here: unrolled on CPU devices, so a plan
 made on CPU for an accelerator's scanned program says `--model.scan_layers true`. Unrolled models deeper than
