@@ -79,6 +79,17 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
     def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro, options=None):
         return compile_step(trainer_at(layers, scan, c), mb, c.trainer.micro_batch_size, m.max_seq_len, options)
 
+    shape = {  # what was compiled, in the report whether it fits or not
+        "topology": topology,
+        "libtpu_topology": spec.topology,
+        "chips": spec.chips,
+        "mesh": dict(mesh.shape),
+        "layers": model_cfg.num_layers,
+        "scanned": scanned,
+        "micro_batches": micro,
+        "rows": t.micro_batch_size,
+        "seq_len": m.max_seq_len,
+    }
     t0 = time.perf_counter()
     try:
         compiled, _, state, batch = compiled_at(model_cfg.num_layers, scanned)
@@ -89,15 +100,7 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
         state = trainer_at(model_cfg.num_layers, scanned).abstract_state()
         state_bytes = _shard_bytes(state.params) + _shard_bytes(state.opt_state)
         return {
-            "topology": topology,
-            "libtpu_topology": spec.topology,
-            "chips": spec.chips,
-            "mesh": dict(mesh.shape),
-            "layers": model_cfg.num_layers,
-            "scanned": scanned,
-            "micro_batches": micro,
-            "rows": t.micro_batch_size,
-            "seq_len": m.max_seq_len,
+            **shape,
             "compile_s": round(time.perf_counter() - t0, 1),
             "plan": None,
             "hbm_bytes": spec.chip.hbm_bytes,
@@ -112,15 +115,7 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
     plan = plan_of(compiled, mesh, state, batch)
     kernels = step_cost.mosaic_calls(compiled)
     out = {
-        "topology": topology,
-        "libtpu_topology": spec.topology,
-        "chips": spec.chips,
-        "mesh": dict(mesh.shape),
-        "layers": model_cfg.num_layers,
-        "scanned": scanned,
-        "micro_batches": micro,
-        "rows": t.micro_batch_size,
-        "seq_len": m.max_seq_len,
+        **shape,
         "compile_s": round(compile_s, 1),
         "attention": "splash" if kernels else "xla",
         "mosaic_calls": kernels,
