@@ -100,9 +100,7 @@ class OrchestratorConfig(Section):
     trusted_proxies: list[str] = []
     """Addresses of reverse proxies: their X-Forwarded-For names the client, and no per-address limit applies."""
     worker_store_writes: bool = False
-    """Workers write batches to the rollout store themselves and announce them (POST /v1/batches): a pool of
-    trusted workers that hold the store's write credentials. False: batches arrive only as uploads (PUT
-    /v1/uploads/...), written by the ingest, and POST /v1/batches is refused (403)."""
+    """Trusted workers write the rollout store and announce batches (POST /v1/batches); False: uploads only."""
 
     def challenge_side(self) -> int:
         """The challenge size in effect: `challenge_size`, or its default (on unless CPU nodes are allowed)."""
@@ -133,9 +131,7 @@ class IngestConfig(Section):
     only writer of the rollout store; workers hold no storage credentials."""
 
     store_url: str | None = None
-    """The pool's rollout store that uploads are written to: a path, file://, s3://, gs:// or a tensorstore kvstore
-    spec as a JSON object, e.g. {"driver": "s3", "bucket": ..., "endpoint": ...} (None: <run.dir>/rollouts).
-    Credentials come from the ingest's environment; validators and the learner read the same store with theirs."""
+    """Rollout store uploads go to: path, file://, s3://, gs:// or a JSON kvstore spec (None: <run.dir>/rollouts)."""
     in_process: bool = True
     """The orchestrator takes uploads itself, on its own address (PUT /v1/uploads/...)."""
     urls: list[str] = []
@@ -151,7 +147,7 @@ class IngestConfig(Section):
     upload_timeout_s: float = Field(120.0, gt=0)
     """Seconds an upload may take from its admission to its last byte; a slower one gets 408 and is dropped."""
     max_uploads: int = Field(16, gt=0)
-    """Uploads one process receives at once (each holds at most its assignment's batch in memory); beyond: 503."""
+    """Uploads one process receives at once (each holds at most one batch in memory); beyond it: 503."""
     max_uploads_per_ip: int = Field(2, gt=0)
     """Uploads one client address (IPv6: one /64) may send to one process at once; beyond: 429."""
     compression: Literal["blosc-lz4", "blosc-zstd", "zstd", "none"] = "blosc-lz4"
