@@ -531,3 +531,60 @@ def test_an_expired_assignment_takes_no_upload(tmp_path, s3):
         assert s3.snapshot() == before
     finally:
         short.close()
+
+
+def test_the_gcs_form_on_gcp_storage_emulator(tmp_path, monkeypatch):
+    """Uploads reach a GCS store (tensorstore's gcs driver pointed at gcp-storage-emulator with
+    TENSORSTORE_GCS_HTTP_URL): written, committed and listed. Reading a batch back fails there, and this test
+    pins why: the emulator answers the reader's one-byte probe past the end of COMMIT with 206 and the range
+    "bytes 65-64/65" where GCS answers 416, and tensorstore refuses that answer."""
+    port = free_port()
+    emulator = subprocess.Popen(
+        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--in-memory", "--default-bucket", "rollouts"],
+        stdout=open(tmp_path / "gcs.log", "ab"),
+        stderr=subprocess.STDOUT,
+    )
+    gcs = {"TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{port}", "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/storage/v1/b", timeout=1)
+                break
+            except urllib.error.HTTPError:
+                break
+            except OSError:
+                assert emulator.poll() is None and time.monotonic() < deadline, "the emulator did not start"
+                time.sleep(0.1)
+        config = tmp_path / "gcs.toml"
+        config.write_text(
+            CONFIG.format(
+                run=tmp_path / "run", token=TOKEN, deadline=600, store="gs://rollouts/gcs/", url="x", ingest_port=1
+            )
+        )
+        orchestrator = OrchestratorProcess(tmp_path / "orch.log", config, env=gcs).start()
+        try:
+            key = load_or_create_key(tmp_path / "w.key")
+            client = OrchestratorClient(orchestrator.url, key=key)
+            assert client.register("worker", HardwareReport(gpus=[], cpu_count=2, memory_gib=8)).status == "admitted"
+            a = client.heartbeat().assignments[0]
+            batch = make_batch(public_key_hex(key), a)
+            record = upload(orchestrator.url, key, a, batch)
+            assert record.store_path.startswith("gs://rollouts/gcs/v000000/")
+        finally:
+            orchestrator.stop()
+        for name, value in gcs.items():
+            monkeypatch.setenv(name, value)
+        store = RolloutStore.open("gs://rollouts/gcs/")
+        assert [r.batch_id for r in store.list()] == [batch.meta.batch_id]
+        commit = store.kvstore.read(f"v000000/{batch.meta.batch_id}/COMMIT").result().value
+        assert commit == (digest_of(batch) + "\n").encode()
+        from bridge.rollouts import RolloutStoreError
+
+        with pytest.raises(RolloutStoreError, match="Content-Range"):
+            store.read(0, batch.meta.batch_id)
+        assert [r.batch_id for r in store.prune(1)] == [batch.meta.batch_id] and store.list() == []
+    finally:
+        emulator.terminate()
+        emulator.wait(15)
