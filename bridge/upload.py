@@ -2,8 +2,9 @@
 sends (`encode`) and its incremental decoder (`UploadDecoder`), which the ingest runs as the bytes arrive.
 
 Workers hold no storage credentials: a worker sends its batch to the pool's ingest, which checks it and writes
-it to the rollout store. The stream carries the batch's decoded values, so the ingest hashes exactly the bytes
-the COMMIT digest is defined over while they arrive, and nothing is decoded or re-encoded on the way:
+it to the rollout store. The stream carries the batch's decoded values, laid out as the COMMIT digest hashes
+them, so the arrays land in place as they arrive and nothing is decoded or re-encoded on the way; the ingest's
+write hashes them (in parallel, while it writes) and commits only if they hash to the signed digest:
 
     u32le(len(meta)) meta.json        the exact bytes of meta.json (sorted keys, ASCII: `bridge.rollouts`)
     u8 optional fields present        bit i: the i-th field of `OPTIONAL_FIELDS` (full_logprobs) follows
@@ -22,7 +23,6 @@ what meta.json implies, before it holds any array; it never holds more than the 
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Iterator
 
@@ -36,7 +36,7 @@ from bridge.rollouts import (
     ReadLimits,
     RolloutBatch,
     RolloutStoreError,
-    _combine,
+    canonical_sha256,
     expected_lengths,
     meta_json,
     parse_meta,
@@ -99,9 +99,10 @@ def max_stream_length(limits: ReadLimits, with_optional: bool = True) -> int:
 
 
 class UploadDecoder:
-    """Feed the upload stream in pieces (`feed`); once `done`, `batch()` and `sha256` are the batch and its
-    canonical digest. `expect`: what the pool knows of the batch before it arrives (its id, node, version,
-    assignment, exact length of the stream); `limits`: the assignment's `ReadLimits` (sample count exact)."""
+    """Feed the upload stream in pieces (`feed`); once `done`, `batch()` is the batch (and `sha256()` its canonical
+    digest; the ingest's write hashes it itself, while it writes). `expect`: what the pool knows of the batch
+    before it arrives (its id, node, version, assignment, exact length of the stream); `limits`: the
+    assignment's `ReadLimits` (sample count exact)."""
 
     def __init__(
         self,
@@ -122,14 +123,9 @@ class UploadDecoder:
         self.counts: dict[str, int] = {}
         self._fields: list[tuple[str, str, str]] = []
         self._arrays: dict[str, np.ndarray] = {}
-        self._hashes: list[hashlib._Hash] = []
         self._field = 0  # the field being filled
         self._filled = 0  # its bytes so far
-        self.sha256: str | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.sha256 is not None
+        self.done = False
 
     def feed(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -145,7 +141,6 @@ class UploadDecoder:
             out = self._views[self._field]
             take = min(view.nbytes, out.nbytes - self._filled)
             out[self._filled : self._filled + take] = view[:take]
-            self._hashes[self._field].update(view[:take])
             self._filled += take
             view = view[take:]
             if self._filled == out.nbytes:
@@ -204,13 +199,13 @@ class UploadDecoder:
         for name, dtype, _ in self._fields:  # pages are committed as bytes arrive, not here
             self._arrays[name] = np.empty(lengths[name], np.dtype(dtype).newbyteorder("<"))
         self._views = [memoryview(self._arrays[name]).cast("B") for name, _, _ in self._fields]
-        self._hashes = [hashlib.sha256() for _ in self._fields]
 
     def _finish_if_complete(self) -> None:
-        if self.meta is None or self._field < len(self._fields) or self.received != self.length:
-            return
-        sizes = [self._arrays[name].size for name, _, _ in self._fields]
-        self.sha256 = _combine(self._fields, sizes, [h.digest() for h in self._hashes], self.meta_bytes)
+        self.done = self.meta is not None and self._field == len(self._fields) and self.received == self.length
+
+    def sha256(self) -> str:
+        """The canonical digest of the batch received (fields hashed in parallel)."""
+        return canonical_sha256(self._arrays, self.meta_bytes)
 
     def batch(self) -> RolloutBatch:
         """The batch the stream carried (call once `done`); its values are the ones hashed."""

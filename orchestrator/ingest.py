@@ -15,12 +15,13 @@ is the batch's upload stream (`bridge.upload`). In order, before anything is sto
 4. the Content-Length against the largest batch the assignment allows (413): exactly its sample count, the
    pool's prompt and completion lengths per sample, the proof bytes of its completions;
 5. the body, within `ingest.upload_timeout_s` of the admission (else 408 and the connection is closed: a
-   slow-loris holds a slot for that long at most), decoded and hashed as it arrives: meta.json names this
-   batch, node, version and assignment and its counts fit the assignment (422, 413), the stream is as long
-   as meta.json says (422), and the values hash to the signed digest (422);
-6. every invariant of the batch (`bridge.rollouts.check_batch`, 422), then the write: arrays first, `COMMIT`
-   last and only if the batch id has none (409 if it has), with the digest checked again over the values
-   written; a store that fails answers 503;
+   slow-loris holds a slot for that long at most), laid into the batch's arrays as it arrives: meta.json names
+   this batch, node, version and assignment and its counts fit the assignment (422, 413), and the stream is as
+   long as meta.json says (422);
+6. the write, in a thread (`RolloutStore.write(expect_sha256=)`): every invariant of the batch first (422),
+   then the arrays, hashed in parallel while they are written, and `COMMIT` last, only if the values hash to
+   the signed digest (else what was written is deleted: 422) and the batch id has no `COMMIT` yet (409); a
+   store that fails answers 503;
 7. the announcement (`finish`); if the orchestrator refuses it now (the deadline passed meanwhile: 410), what
    was written is deleted.
 
@@ -48,7 +49,7 @@ from bridge.protocol.signing import (
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
 )
-from bridge.rollouts import ReadLimits, RolloutBatch, RolloutStore, RolloutStoreError, check_batch
+from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.upload import HEADER_BATCH_SHA256, UPLOAD_PREFIX, UploadDecoder, UploadError, max_stream_length
 from orchestrator.config import IngestConfig
 from orchestrator.guards import address_group
@@ -232,22 +233,18 @@ class UploadIngest:
             return await drop(e.status, f"batch {batch_id}: {e}")
         if not decoder.done:
             return await drop(400, f"the body ended after {decoder.received} of {length} bytes")
-        if decoder.sha256 != sha:
-            return await drop(
-                422,
-                f"batch {batch_id}: its values hash to {decoder.sha256}, not the signed {HEADER_BATCH_SHA256} {sha}",
-                close=False,
-            )
         batch = decoder.batch()
         try:
-            await asyncio.to_thread(self._write, batch, sha)
-        except UploadError as e:
-            return await drop(e.status, f"batch {batch_id}: {e}", close=False)
+            await asyncio.to_thread(self.store.write, batch, expect_sha256=sha)
         except RolloutStoreError as e:
-            if "already committed" in e.reason:
+            if e.field == "COMMIT" and "already committed" in e.reason:
                 return await drop(409, str(e), close=False)
-            log.error("upload %s/%s: the store failed: %s", assignment_id, batch_id, e)
-            return await drop(503, f"the rollout store failed: {e}", {"Retry-After": "10"}, close=False)
+            if e.field == "COMMIT" and "hash to" in e.reason:
+                return await drop(422, f"{e} (the signed {HEADER_BATCH_SHA256})", close=False)
+            if " failed: " in e.reason:
+                log.error("upload %s/%s: the store failed: %s", assignment_id, batch_id, e)
+                return await drop(503, f"the rollout store failed: {e}", {"Retry-After": "10"}, close=False)
+            return await drop(422, str(e), close=False)
         finish = IngestFinish(
             ticket=ticket,
             num_tokens=int(len(batch.tokens)),
@@ -261,13 +258,6 @@ class UploadIngest:
             return await self._refuse(send, r.status, r.detail, r.headers, close=False)
         self.bytes_stored += length
         await self._answer(send, 200, record)
-
-    def _write(self, batch: RolloutBatch, sha: str) -> None:
-        try:
-            check_batch(batch)
-        except RolloutStoreError as e:
-            raise UploadError(e.field, e.reason) from None
-        self.store.write(batch, expect_sha256=sha)
 
     def health(self) -> dict[str, Any]:
         return {
