@@ -12,14 +12,20 @@ Measured, each over `--batches` batches:
 
 - `direct_local`, `direct_s3`: `RolloutStore.write` from this process, one batch at a time (what a worker with
   credentials did: hash, compress, write);
-- `upload_s3`: one batch at a time through one ingest process to the S3 server (the client computes the digest
-  and streams the batch; the ingest admits it with the orchestrator, hashes it as it arrives, writes it, checks
-  it, announces it); `cost_ratio` = upload_s3 / direct_s3 seconds per batch;
-- `sustained_{s3,local}_{1,2}proc`: `--clients` concurrent uploads through one or two ingest processes: the
-  batches per second and MB/s of batch data one process sustains and what a second adds;
+- `upload_local`, `upload_s3`: one batch at a time through one ingest process to the same stores (the client
+  computes the digest and streams the batch; the ingest admits it with the orchestrator, lays it into arrays
+  as it arrives, writes it while hashing it, commits it on the signed digest and announces it). The four kinds
+  are interleaved batch by batch so that the machine's noise hits them alike; `cost_ratio` compares medians of
+  wall seconds per batch, and CPU seconds per batch summed over every process involved (writer or client,
+  ingest, orchestrator, moto);
+- `sustained_{tmpfs,s3}_{1,2}proc`: `--clients` uploads at once through one or two ingest processes writing to
+  /dev/shm (the ingest's own capacity: a store that costs little) or to the S3 server, interleaved for
+  `--repeat` rounds: the batches per second and MB/s of batch data, and MB per CPU-second of the ingest
+  processes (what one core of an ingest sustains, whatever else the machine runs); `second_process_gain`;
 - `read_local`, `read_s3`: `RolloutStore.read` with the digest check (what validators and the learner do).
 
-Load averages are recorded beside each figure: the machine is shared, so rerun when they are high.
+CPU seconds come from /proc; load averages are recorded at the start and end: the machine is shared, so rerun
+when they are high.
 
     python benchmarks/uploads.py [--batches 8] [--clients 4] [--out results.json]
 
@@ -34,6 +40,8 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -225,48 +233,43 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def timed(label: str, fn, count: int, nbytes: int, cpu_of: dict[str, int] | None = None, **extra) -> dict:
-    """Wall time of `fn` (uploading or writing `count` batches of `nbytes`), and the CPU seconds the processes
-    `cpu_of` (name -> pid) spent meanwhile: MB per CPU-second is what one core of such a process sustains,
-    whatever else the machine is running."""
-    before = load()
-    cpu0 = {name: cpu_seconds(pid) for name, pid in (cpu_of or {}).items()}
-    t0 = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - t0
-    cpu = {name: round(cpu_seconds(pid) - cpu0[name], 3) for name, pid in (cpu_of or {}).items()}
-    if cpu:
-        extra["cpu_s"] = cpu
-        extra["MB_per_cpu_s"] = {name: round(count * nbytes / max(c, 1e-9) / 1e6, 1) for name, c in cpu.items()}
+def stats(seconds: list[float], nbytes: int, cpu: dict[str, float] | None = None, per: int = 1) -> dict:
+    """Median wall seconds per round of `per` batches, MB/s, and the CPU seconds per batch of each process."""
+    med = statistics.median(seconds)
     out = {
-        "batches": count,
-        "seconds": round(seconds, 3),
-        "s_per_batch": round(seconds / count, 4),
-        "batches_per_s": round(count / seconds, 2),
-        "MB_per_s": round(count * nbytes / seconds / 1e6, 1),
-        "load_before": before,
-        "load_after": load(),
-        **extra,
+        "rounds": len(seconds),
+        "batches_per_round": per,
+        "s_per_batch": round(med / per, 4),
+        "batches_per_s": round(per / med, 2),
+        "MB_per_s": round(per * nbytes / med / 1e6, 1),
+        "rounds_s": [round(x, 3) for x in seconds],
     }
-    log(f"{label}: {out}")
+    if cpu:
+        batches = len(seconds) * per
+        out["cpu_s_per_batch"] = {name: round(c / batches, 4) for name, c in cpu.items()}
+        ingest = sum(c for name, c in cpu.items() if name.startswith("ingest"))
+        if ingest:
+            out["ingest_MB_per_cpu_s"] = round(batches * nbytes / ingest / 1e6, 1)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", type=int, default=8, help="batches per measurement")
+    parser.add_argument("--batches", type=int, default=8, help="batches of each kind in the per-batch costs")
     parser.add_argument("--clients", type=int, default=4, help="concurrent uploads in the sustained runs")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of each sustained run (interleaved)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     n, clients = args.batches, args.clients
     base = template()
     nbytes = encode(base)[0]
     tmp = Path(tempfile.mkdtemp(prefix="uploads-bench-"))
+    shm = Path(tempfile.mkdtemp(prefix="uploads-bench-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     results: dict = {
         "batch": {"samples": SAMPLES, "tokens_per_sample": TOKENS, "bytes": nbytes},
-        "machine": platform.machine(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
+        "load_start": load(),
     }
     moto = Moto(tmp)
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
@@ -274,107 +277,130 @@ def main() -> None:
     config = tmp / "pool.toml"
     orch = OrchestratorProcess(tmp / "orchestrator.log", config)
     config.write_text(CONFIG.format(run=tmp / "run", token=TOKEN, url=orch.url))
-    ingests = []
+    ingests: dict[str, Ingest] = {}
     try:
         with orch:
             workers = Workers(tmp, orch.url, 4)
             local = RolloutStore.open(tmp / "direct-local")
             s3 = RolloutStore.open(moto.spec("direct/"))
-            warm = for_assignment(base, "cd" * 32, type("A", (), {"id": 10**9, "version": 0})())
-            local.write(warm), s3.write(warm)  # warm both stores (threads, connections)
+            for name, store in (("s3a", moto.spec("up-a/")), ("s3b", moto.spec("up-b/"))):
+                ingests[name] = Ingest(tmp, config, store, name)
+            for name in ("local", "shma", "shmb"):
+                where = tmp / "up-local" if name == "local" else shm / name
+                ingests[name] = Ingest(tmp, config, str(where), name)
+            pids = {name: proc.proc.pid for name, proc in ingests.items()}
+            me, counter = os.getpid(), [0]
 
-            def direct(store: RolloutStore, tag: str):
-                def run():
-                    for i in range(n):
-                        fake = type("A", (), {"id": i, "version": 1})()
-                        store.write(for_assignment(base, f"{tag}{i:02d}".ljust(64, "0"), fake))
+            def direct(store: RolloutStore) -> None:
+                counter[0] += 1
+                fake = type("A", (), {"id": counter[0], "version": 1})()
+                store.write(for_assignment(base, f"{counter[0]:064x}", fake))
 
-                return run
+            def upload(url: str, job: tuple) -> None:
+                key, node, a = job
+                batch = for_assignment(base, node, a)
+                length, pieces = encode(batch)
+                upload_batch(url, key, a.id, batch.meta.batch_id, digest(batch), length, pieces)
 
-            me = {"this process": os.getpid()}
-            client = {"client": os.getpid()}
-            results["direct_local"] = timed("direct_local", direct(local, "aa"), n, nbytes, me)
-            results["direct_s3"] = timed("direct_s3", direct(s3, "bb"), n, nbytes, {**me, "moto": moto.proc.pid})
+            for proc in ingests.values():  # warm every store and process
+                upload(proc.url, workers.take(1)[0])
+            direct(local), direct(s3)
 
-            ingests.append(Ingest(tmp, config, moto.spec("up1/"), "s3-1"))
-
-            def uploads(jobs: list[tuple], urls: list[str], concurrency: int):
-                def one(i_job):
-                    i, (key, node, a) = i_job
-                    batch = for_assignment(base, node, a)
-                    length, pieces = encode(batch)
-                    upload_batch(urls[i % len(urls)], key, a.id, batch.meta.batch_id, digest(batch), length, pieces)
-
-                def run():
-                    with cf.ThreadPoolExecutor(concurrency) as pool:
-                        list(pool.map(one, enumerate(jobs)))
-
-                return run
-
-            one_url = [ingests[0].url]
-            uploads(workers.take(1), one_url, 1)()  # warm the ingest
-            procs = {"ingest": ingests[0].proc.pid, "moto": moto.proc.pid, "orchestrator": orch.proc.pid, **client}
-            results["upload_s3"] = timed("upload_s3", uploads(workers.take(n), one_url, 1), n, nbytes, procs)
-            results["cost_ratio"] = round(results["upload_s3"]["s_per_batch"] / results["direct_s3"]["s_per_batch"], 3)
+            # per-batch cost, one batch at a time, the kinds interleaved so that the machine's noise hits them alike
+            kinds = {
+                "direct_local": (lambda: direct(local), {"writer": me}),
+                "upload_local": (
+                    lambda job: upload(ingests["local"].url, job),
+                    {"client": me, "ingest": pids["local"]},
+                ),
+                "direct_s3": (lambda: direct(s3), {"writer": me, "moto": moto.proc.pid}),
+                "upload_s3": (
+                    lambda job: upload(ingests["s3a"].url, job),
+                    {"client": me, "ingest": pids["s3a"], "moto": moto.proc.pid},
+                ),
+            }
+            walls = {k: [] for k in kinds}
+            cpus = {k: {} for k in kinds}
+            for i in range(n):
+                jobs = workers.take(2)
+                for kind, (fn, procs) in kinds.items():
+                    watch = {**procs, "orchestrator": orch.proc.pid} if kind.startswith("upload") else procs
+                    c0 = {name: cpu_seconds(pid) for name, pid in watch.items()}
+                    t0 = time.perf_counter()
+                    fn(jobs.pop()) if kind.startswith("upload") else fn()
+                    walls[kind].append(time.perf_counter() - t0)
+                    for name, pid in watch.items():
+                        cpus[kind][name] = cpus[kind].get(name, 0.0) + cpu_seconds(pid) - c0[name]
+                log(
+                    f"round {i + 1}/{n}: "
+                    + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in walls.items())
+                    + f" load {load()}"
+                )
+            for kind in kinds:
+                results[kind] = stats(walls[kind], nbytes, cpus[kind])
+            cpu_total = {k: sum(results[k]["cpu_s_per_batch"].values()) for k in kinds}
+            results["cost_ratio"] = {
+                "s3_wall": round(results["upload_s3"]["s_per_batch"] / results["direct_s3"]["s_per_batch"], 3),
+                "s3_cpu": round(cpu_total["upload_s3"] / cpu_total["direct_s3"], 3),
+                "local_wall": round(results["upload_local"]["s_per_batch"] / results["direct_local"]["s_per_batch"], 3),
+                "local_cpu": round(cpu_total["upload_local"] / cpu_total["direct_local"], 3),
+            }
             log(f"cost_ratio: {results['cost_ratio']}")
-            m = n * 2
-            results["sustained_s3_1proc"] = timed(
-                "sustained_s3_1proc", uploads(workers.take(m), one_url, clients), m, nbytes, procs, clients=clients
-            )
-            ingests.append(Ingest(tmp, config, moto.spec("up2/"), "s3-2"))
-            two_urls = [ingests[0].url, ingests[1].url]
-            uploads(workers.take(1), [two_urls[1]], 1)()
-            procs2 = {**procs, "ingest2": ingests[1].proc.pid}
-            results["sustained_s3_2proc"] = timed(
-                "sustained_s3_2proc", uploads(workers.take(m), two_urls, clients), m, nbytes, procs2, clients=clients
-            )
-            for proc in ingests:
-                proc.close()
-            ingests = [Ingest(tmp, config, str(tmp / "up-local-1"), "local-1")]
-            uploads(workers.take(1), [ingests[0].url], 1)()
-            procs = {"ingest": ingests[0].proc.pid, "orchestrator": orch.proc.pid, **client}
-            results["sustained_local_1proc"] = timed(
-                "sustained_local_1proc",
-                uploads(workers.take(m), [ingests[0].url], clients),
-                m,
-                nbytes,
-                procs,
-                clients=clients,
-            )
-            ingests.append(Ingest(tmp, config, str(tmp / "up-local-2"), "local-2"))
-            local_urls = [ingests[0].url, ingests[1].url]
-            uploads(workers.take(1), [local_urls[1]], 1)()
-            results["sustained_local_2proc"] = timed(
-                "sustained_local_2proc",
-                uploads(workers.take(m), local_urls, clients),
-                m,
-                nbytes,
-                {**procs, "ingest2": ingests[1].proc.pid},
-                clients=clients,
-            )
 
-            def reads(store: RolloutStore):
+            # sustained: `clients` uploads at once through one or two ingest processes, the setups interleaved
+            setups = {
+                "tmpfs_1proc": ["shma"],
+                "tmpfs_2proc": ["shma", "shmb"],
+                "s3_1proc": ["s3a"],
+                "s3_2proc": ["s3a", "s3b"],
+            }
+            m = 2 * clients
+            walls = {k: [] for k in setups}
+            cpus = {k: {} for k in setups}
+            for r in range(args.repeat):
+                for setup, names in setups.items():
+                    jobs = workers.take(m)
+                    urls = [ingests[name].url for name in names]
+                    watch = {name: pids[name] for name in names} | {"orchestrator": orch.proc.pid}
+                    if setup.startswith("s3"):
+                        watch["moto"] = moto.proc.pid
+                    c0 = {name: cpu_seconds(pid) for name, pid in watch.items()}
+                    t0 = time.perf_counter()
+                    with cf.ThreadPoolExecutor(clients) as pool:
+                        list(pool.map(lambda ij, urls=urls: upload(urls[ij[0] % len(urls)], ij[1]), enumerate(jobs)))
+                    walls[setup].append(time.perf_counter() - t0)
+                    for name, pid in watch.items():
+                        label = "ingest" + name[-1] if name in names else name
+                        cpus[setup][label] = cpus[setup].get(label, 0.0) + cpu_seconds(pid) - c0[name]
+                    log(f"{setup} round {r + 1}: {m} batches in {walls[setup][-1]:.2f} s, load {load()}")
+            for setup in setups:
+                results[f"sustained_{setup}"] = {"clients": clients, **stats(walls[setup], nbytes, cpus[setup], m)}
+            results["second_process_gain"] = {
+                sink: round(
+                    results[f"sustained_{sink}_2proc"]["MB_per_s"] / results[f"sustained_{sink}_1proc"]["MB_per_s"], 3
+                )
+                for sink in ("tmpfs", "s3")
+            }
+
+            # reads with the digest check, as validators and the learner read
+            for name, store in (("read_local", local), ("read_s3", s3)):
                 refs = store.list()[:n]
                 digests = {r: store.commit(r.version, r.batch_id) for r in refs}
-
-                def run():
-                    for r in refs:
-                        store.read(r.version, r.batch_id, expect_sha256=digests[r])
-
-                return run, len(refs)
-
-            run, count = reads(local)
-            results["read_local"] = timed("read_local", run, count, nbytes, me)
-            run, count = reads(s3)
-            results["read_s3"] = timed("read_s3", run, count, nbytes, {**me, "moto": moto.proc.pid})
+                watch = {"reader": me} | ({"moto": moto.proc.pid} if name == "read_s3" else {})
+                c0 = {k: cpu_seconds(p) for k, p in watch.items()}
+                seconds = []
+                for r in refs:
+                    t0 = time.perf_counter()
+                    store.read(r.version, r.batch_id, expect_sha256=digests[r])
+                    seconds.append(time.perf_counter() - t0)
+                results[name] = stats(seconds, nbytes, {k: cpu_seconds(p) - c0[k] for k, p in watch.items()})
+                log(f"{name}: {results[name]['s_per_batch']} s per batch")
     finally:
-        for proc in ingests:
+        for proc in ingests.values():
             proc.close()
         moto.close()
-    results["second_process_gain"] = {
-        sink: round(results[f"sustained_{sink}_2proc"]["MB_per_s"] / results[f"sustained_{sink}_1proc"]["MB_per_s"], 3)
-        for sink in ("s3", "local")
-    }
+        shutil.rmtree(shm, ignore_errors=True)
+    results["load_end"] = load()
     text = json.dumps(results, indent=1)
     if args.out:
         args.out.write_text(text)
