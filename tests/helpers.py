@@ -187,16 +187,20 @@ class S3Server:
 
     def snapshot(self, prefix: str = "") -> dict[str, bytes]:
         """Every object under `prefix` and its bytes (read with the pool's credentials)."""
-        s3, out, token = self.client(), {}, None
+        import concurrent.futures
+
+        s3, keys, token = self.client(), [], None
         while True:
             page = s3.list_objects_v2(
                 Bucket=self.bucket, Prefix=prefix, **({"ContinuationToken": token} if token else {})
             )
-            for item in page.get("Contents", []):
-                out[item["Key"]] = s3.get_object(Bucket=self.bucket, Key=item["Key"])["Body"].read()
+            keys += [item["Key"] for item in page.get("Contents", [])]
             if not page.get("IsTruncated"):
-                return out
+                break
             token = page["NextContinuationToken"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # the server answers GETs in threads
+            bodies = pool.map(lambda key: s3.get_object(Bucket=self.bucket, Key=key)["Body"].read(), keys)
+            return dict(zip(keys, bodies))
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
