@@ -57,13 +57,13 @@ steps = 5
 async_level = 1
 checkpoint_interval = 2
 export_dtype = "float32"
+rollout_keep_versions = 2
 [loss]
 temperature = 1.0
 [optim]
 lr = 1e-4
 warmup_steps = 0
 grad_clip = 1.0
-rollout_keep_versions = 2
 [ingest]
 store_url = '{store}'
 [orchestrator]
