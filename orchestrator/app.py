@@ -307,11 +307,13 @@ def create_app(
             **_ERRORS,
             404: {"description": "not this node's assignment, or this service takes no uploads (see ingest.urls)"},
             408: {"description": "the upload took longer than ingest.upload_timeout_s"},
-            409: {"description": "the assignment has a batch or an upload in progress, or the batch id is taken"},
+            409: {"description": "the assignment has a batch, or the batch id is taken"},
             410: {"description": "the assignment was lost or expired"},
             411: {"description": "no Content-Length"},
             413: {"description": "larger than the assignment's batch may be"},
-            429: {"description": "too many uploads from this address, or announcements from this node"},
+            429: {
+                "description": "an upload of the assignment in progress, too many uploads from this address, or announcements from this node"
+            },
         },
         tags=["work"],
         openapi_extra={

@@ -10,8 +10,8 @@ is the batch's upload stream (`bridge.upload`). In order, before anything is sto
 2. uploads in progress in this process, in all (`ingest.max_uploads`: 503) and from the client's address
    (`ingest.max_uploads_per_ip`: 429), both with Retry-After;
 3. the orchestrator's admission (`orchestrator.uploads`): the signature (401), an admitted, unbanned worker
-   (403), its announcement rate (429), its own open assignment without a batch or another upload (404, 409,
-   410), a free batch id (409); it reserves the assignment and the id;
+   (403), its announcement rate (429), its own open assignment without a batch (404, 409, 410) and without
+   another upload in progress (429, Retry-After), a free batch id (409); it reserves the assignment and the id;
 4. the Content-Length against the largest batch the assignment allows (413): exactly its sample count, the
    pool's prompt and completion lengths per sample, the proof bytes of its completions;
 5. the body, within `ingest.upload_timeout_s` of the admission (else 408 and the connection is closed: a

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -132,10 +133,17 @@ class UploadDesk:
         work = svc.scheduler.upload_target(key, msg.assignment_id, msg.batch_id)
         now = svc.clock()
         self._drop_expired(now)
-        if msg.assignment_id in self._by_assignment:
-            raise HTTPException(409, f"assignment {msg.assignment_id}: an upload of it is in progress")
-        if msg.batch_id in self._by_batch:
-            raise HTTPException(409, f"batch_id {msg.batch_id!r}: an upload under this id is in progress")
+        for held, what in (
+            (self._by_assignment.get(msg.assignment_id), f"assignment {msg.assignment_id}"),
+            (self._by_batch.get(msg.batch_id), f"batch_id {msg.batch_id!r}"),
+        ):
+            if held is not None:  # 429: retry once it ends (or its reservation lapses, if its ingest vanished)
+                wait = max(1, math.ceil(min(self._tickets[held].expires - now, 60)))
+                raise HTTPException(
+                    429,
+                    f"{what}: an upload of it is in progress; retry in {wait} s",
+                    headers={"Retry-After": str(wait)},
+                )
         ticket = secrets.token_hex(16)
         num_samples = work.prompts * work.samples_per_prompt
         self._tickets[ticket] = _Reservation(
@@ -155,8 +163,12 @@ class UploadDesk:
 
     def finish(self, msg: IngestFinish) -> BatchRecord:
         held = self._release(msg.ticket)
-        if held is None:
-            raise HTTPException(404, "unknown or lapsed upload ticket: the upload took longer than its reservation")
+        if held is None:  # the orchestrator restarted, or the upload outlived its reservation: send it again
+            raise HTTPException(
+                503,
+                "the pool lost this upload's reservation (a restart, or it took too long): upload it again",
+                headers={"Retry-After": "1"},
+            )
         note = BatchAnnouncement(
             batch_id=held.batch_id,
             assignment_id=held.assignment_id,
