@@ -311,9 +311,7 @@ def create_app(
             410: {"description": "the assignment was lost or expired"},
             411: {"description": "no Content-Length"},
             413: {"description": "larger than the assignment's batch may be"},
-            429: {
-                "description": "an upload of the assignment in progress, too many uploads from this address, or announcements from this node"
-            },
+            429: {"description": "an upload of the assignment in progress, or too many from this address or node"},
         },
         tags=["work"],
         openapi_extra={
