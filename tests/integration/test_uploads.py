@@ -353,6 +353,10 @@ def test_slow_loris_gets_408_and_its_slot_back(pool, s3):
     start = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(head.encode() + stream[:10])
+        time.sleep(0.5)
+        # meanwhile the same assignment through the other endpoint: its upload is in progress (retry later)
+        err = refused(lambda: upload(pool.url, key, a, batch))
+        assert err.status == 429 and "in progress" in str(err.detail)
         # a second upload from this address still fits (max_uploads_per_ip 2); a third, from a holder of two, not
         other = pool.assignment(client)
         with socket.create_connection((host, int(port)), timeout=30) as second:
