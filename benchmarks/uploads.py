@@ -73,20 +73,20 @@ CONFIG = """
 dir = "{run}"
 log_level = "WARNING"
 [data]
-prompts_per_step = 512
+prompts_per_step = {prompts}
 samples_per_prompt = 16
 max_prompt_len = 512
 max_new_tokens = 3840
 [model]
 max_seq_len = 4352
 [trainer]
-batch_size = 8192
+batch_size = {samples}
 async_level = 2
 [orchestrator]
 allow_cpu_nodes = true
 admin_token = "{token}"
 prompts_per_assignment = 8
-max_inflight_per_node = 100
+max_inflight_per_node = 1000
 unproven_share = 1.0
 submit_rate_per_min = 100000
 submit_burst = 100000
@@ -217,8 +217,10 @@ class Workers:
             self.pool.append((key, public_key_hex(key), client, []))
 
     def take(self, n: int) -> list[tuple]:
-        out = []
+        out, deadline = [], time.monotonic() + 60
         while len(out) < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no fresh assignments: the async window is full (raise prompts_per_step)")
             for key, node, client, used in self.pool:
                 for a in client.heartbeat().assignments:
                     if a.id not in used and len(out) < n:
@@ -276,7 +278,9 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     config = tmp / "pool.toml"
     orch = OrchestratorProcess(tmp / "orchestrator.log", config)
-    config.write_text(CONFIG.format(run=tmp / "run", token=TOKEN, url=orch.url))
+    uploads_planned = 5 + 2 * n + args.repeat * 6 * 2 * clients + 16  # every upload holds an assignment
+    prompts = 8 * -(-uploads_planned // 3)  # the window: (async_level 2 + 1) x prompts_per_step / 8 assignments
+    config.write_text(CONFIG.format(run=tmp / "run", token=TOKEN, url=orch.url, prompts=prompts, samples=16 * prompts))
     ingests: dict[str, Ingest] = {}
     try:
         with orch:
