@@ -123,6 +123,10 @@ class PolicyInfo(Reply):
         description="sha256 of each window version's manifest.json, as "
         "the learner announced it: SHARDCAST clients accept no other manifest",
     )
+    uploads: list[str] = Field(
+        default=[],
+        description="base URLs that take batch uploads (PUT /v1/uploads/...); empty: the orchestrator itself",
+    )
 
 
 class RegisterRequest(Request):

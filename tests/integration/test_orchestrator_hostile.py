@@ -45,6 +45,7 @@ def config(tmp_path, orchestrator: str = "", prompts_per_step: int = 4, liveness
 dir = "{tmp_path / "run"}"
 [orchestrator]
 allow_cpu_nodes = true
+worker_store_writes = true
 admin_token = "{TOKEN}"
 prompts_per_assignment = 2
 num_tasks = 100
