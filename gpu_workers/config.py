@@ -140,6 +140,9 @@ class WorkerConfig(Section):
     """Local directory of batches not yet taken by the pool, resumed after a restart (None: <node dir>/outbox)."""
     kv_cache_gib: float = Field(4.0, gt=0)
     """Memory for vLLM's KV cache, in GiB (on a GPU, part of gpu_memory_utilization)."""
+    cpu_threads: int = Field(0, ge=0)
+    """CPU threads of the engine's compute (OMP_NUM_THREADS; 0: the libraries' default). 1 where other roles
+    share the cores (`intellect run` on one CPU box): OpenMP's spin-waits made vLLM 4x slower there."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of the GPU's memory vLLM may use; at start it needs this much free (lower it on a shared GPU)."""
     enforce_eager: bool | None = None
@@ -169,6 +172,8 @@ class ValidatorConfig(Section):
     """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Where the prefill, replay check and TOPLOC comparison run: auto (the first GPU, else CPU), cpu, cuda[:N]."""
+    cpu_threads: int = Field(0, ge=0)
+    """CPU threads of the prefill and checks (OMP_NUM_THREADS; 0: the libraries' default; see worker.cpu_threads)."""
     gpu_memory_share: float = Field(0.2, gt=0, le=1)
     """On a GPU: share of its memory the prefill's batches may fill beyond the loaded weights (at most what is free)."""
     max_exp_mismatches: int = Field(38, ge=0, le=128)

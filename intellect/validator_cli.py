@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from intellect.worker_cli import client_servers, node_dir, setup_logging
+from intellect.worker_cli import client_servers, limit_cpu_threads, node_dir, setup_logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg, "validator")
+    limit_cpu_threads(cfg.validator.cpu_threads)
     from gpu_workers.prefill import resolve_device
     from intellect.config import ConfigError
 

@@ -51,6 +51,15 @@ def build_worker(cfg, tasks, stop=None):
     )
 
 
+def limit_cpu_threads(threads: int) -> None:
+    """OMP_NUM_THREADS for this process's torch and vLLM (`[worker]`/`[validator]` cpu_threads; 0 leaves the
+    libraries' default). Set before torch is imported, since OpenMP reads it once."""
+    if threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
+
+
 def setup_logging(cfg, role: str) -> None:
     logging.basicConfig(level=cfg.run.log_level, format=f"%(asctime)s {role} %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the log
@@ -61,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg, "worker")
+    limit_cpu_threads(cfg.worker.cpu_threads)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.worker.kv_cache_gib))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the TOPLOC capture hooks the model in process
 
