@@ -141,8 +141,7 @@ class WorkerConfig(Section):
     kv_cache_gib: float = Field(4.0, gt=0)
     """Memory for vLLM's KV cache, in GiB (on a GPU, part of gpu_memory_utilization)."""
     cpu_threads: int = Field(0, ge=0)
-    """CPU threads of the engine's compute (OMP_NUM_THREADS; 0: the libraries' default). 1 where other roles
-    share the cores (`intellect run` on one CPU box): OpenMP's spin-waits made vLLM 4x slower there."""
+    """CPU threads of the engine (OMP_NUM_THREADS; 0: the libraries' default; 1 where roles share the cores)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of the GPU's memory vLLM may use; at start it needs this much free (lower it on a shared GPU)."""
     enforce_eager: bool | None = None

@@ -53,7 +53,7 @@ from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.upload import HEADER_BATCH_SHA256, UPLOAD_PREFIX, UploadDecoder, UploadError, max_stream_length
 from orchestrator.config import IngestConfig
 from orchestrator.guards import address_group
-from orchestrator.uploads import Gate, IngestAbort, IngestBegin, IngestFinish, IngestRefused
+from orchestrator.uploads import LOST_RESERVATION, Gate, IngestAbort, IngestBegin, IngestFinish, IngestRefused
 
 log = logging.getLogger("ingest")
 _PATH = re.compile(rb"/v1/uploads/([0-9]{1,16})/(" + BATCH_ID_PATTERN.strip("^$").encode() + rb")")
@@ -255,6 +255,8 @@ class UploadIngest:
         except IngestRefused as r:
             await asyncio.to_thread(self.store.delete, admission.version, batch_id)
             log.info("upload %s/%s not announced (%s): its batch was deleted", assignment_id, batch_id, r)
+            if r.status == 404:  # the reservation is gone, not the worker's fault: it sends the batch again
+                return await self._refuse(send, 503, LOST_RESERVATION, {"Retry-After": "1"}, close=False)
             return await self._refuse(send, r.status, r.detail, r.headers, close=False)
         self.bytes_stored += length
         await self._answer(send, 200, record)

@@ -72,6 +72,9 @@ class IngestAdmission(Reply):
     expires_at: float | None = Field(description="the assignment's deadline (unix seconds)")
 
 
+LOST_RESERVATION = "the pool lost this upload's reservation (a restart, or it took too long): upload it again"
+
+
 class IngestFinish(Msg):
     ticket: str = Field(pattern=r"^[0-9a-f]{32}$")
     num_tokens: int = Field(ge=0, le=1 << 40)
@@ -163,12 +166,9 @@ class UploadDesk:
 
     def finish(self, msg: IngestFinish) -> BatchRecord:
         held = self._release(msg.ticket)
-        if held is None:  # the orchestrator restarted, or the upload outlived its reservation: send it again
-            raise HTTPException(
-                503,
-                "the pool lost this upload's reservation (a restart, or it took too long): upload it again",
-                headers={"Retry-After": "1"},
-            )
+        if held is None:  # the orchestrator restarted, or the upload outlived its reservation
+            # a 4xx here (an unknown ticket is the caller's to fix); the ingest tells the worker to send it again
+            raise HTTPException(404, LOST_RESERVATION)
         note = BatchAnnouncement(
             batch_id=held.batch_id,
             assignment_id=held.assignment_id,
@@ -319,7 +319,7 @@ def declare_routes(app: FastAPI, desk: UploadDesk, token: str | None, admin_toke
         response_model=BatchRecord,
         dependencies=guarded,
         tags=["ingest"],
-        responses=errors,
+        responses={**errors, 404: {"description": "no reservation with this ticket: the worker uploads again"}},
         openapi_extra=extra,
     )
     async def finish(body: IngestFinish) -> Response:

@@ -537,6 +537,52 @@ def test_an_expired_assignment_takes_no_upload(tmp_path, s3):
         short.close()
 
 
+def test_an_upload_whose_reservation_a_restart_lost_is_sent_again(tmp_path, s3):
+    """The orchestrator restarts while the ingest receives a batch: the control call `finish` answers 404 (an
+    unknown ticket is a 4xx, never a 5xx), the ingest deletes what it stored and tells the worker 503 with
+    Retry-After, and the batch sent again goes in."""
+    p = Pool(tmp_path, s3, "restart")
+    try:
+        key, node, client = p.worker("patient")
+        a = p.assignment(client)
+        batch = make_batch(node, a, seed=11)
+        sha = digest_of(batch)
+        length, pieces = encode(batch)
+        stream = b"".join(bytes(piece) for piece in pieces)
+        target = f"/v1/uploads/{a.id}/{batch.meta.batch_id}"
+        headers = {
+            "Content-Length": str(length),
+            "X-Batch-Sha256": sha,
+            **sign_request(key, "PUT", target, b"", body_sha256=sha),
+        }
+        head = f"PUT {target} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        before = s3.snapshot()
+        host, port = p.ingest_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(head.encode() + stream[:10])
+            time.sleep(0.5)  # admitted: the reservation is held by this orchestrator process
+            p.orchestrator.stop()
+            p.orchestrator.start()
+            sock.sendall(stream[10:])
+            reply = http.client.HTTPResponse(sock)
+            reply.begin()
+            body = reply.read()
+        assert reply.status == 503 and reply.getheader("Retry-After") == "1", body
+        assert b"upload it again" in body
+        assert s3.snapshot() == before  # what the ingest stored for the lost reservation is gone
+        status, answer = raw(
+            p.url,
+            "POST",
+            "/v1/ingest/finish",
+            {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            json.dumps({"ticket": "0" * 32, "num_tokens": 1, "store_path": "x"}).encode(),
+        )
+        assert status == 404 and b"upload it again" in answer
+        assert upload(p.ingest_url, key, a, batch).status == "submitted"
+    finally:
+        p.close()
+
+
 def test_the_gcs_form_on_gcp_storage_emulator(tmp_path, monkeypatch):
     """Uploads reach a GCS store (tensorstore's gcs driver pointed at gcp-storage-emulator with
     TENSORSTORE_GCS_HTTP_URL): written, committed and listed. Reading a batch back fails there, and this test
