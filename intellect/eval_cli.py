@@ -12,7 +12,8 @@ target T, `length_abs_err/T`, `length_mean/T` and `accuracy/T` (`gpu_workers.eva
 
 Prints one JSON line: {"accuracy", "n", "samples", "mean_completion_len", "model", "version", "task",
 "temperature", "seconds"}; with `--metrics FILE --step S` the same record, with "role": "eval", "step" and
-"time", is appended to FILE (a run's metrics.jsonl). Without `--json` a short human summary with a few
+"time", is appended to FILE (a run's metrics.jsonl); `--completions FILE` writes what the policy answered, a JSON
+line per task: {"prompt", "answer", "completions", "correct"}. Without `--json` a short human summary with a few
 examples goes to stderr first.
 """
 
@@ -37,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print only the JSON line")
     p.add_argument("--metrics", type=Path, default=None, help="append the result to this metrics.jsonl")
     p.add_argument("--step", type=int, default=None, help="learner step recorded with --metrics")
+    p.add_argument(
+        "--completions",
+        type=Path,
+        default=None,
+        help="write every task's prompt, reference answer, completions and verdicts here (JSON lines)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -124,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
                 f"  {task.prompt!r} -> {texts[0]!r} ({'right' if ok[0] else 'wrong'}; answer {task.answer!r})",
                 file=sys.stderr,
             )
+    if args.completions is not None:
+        with open(args.completions, "w") as f:
+            for task, texts, ok in zip(tasks, result.completions, result.correct):
+                row = {"prompt": task.prompt, "answer": task.answer, "completions": list(texts)}
+                f.write(json.dumps({**row, "correct": [bool(x) for x in ok]}) + "\n")
     if args.metrics is not None:
         from intellect.metrics import MetricsLog
 

@@ -69,7 +69,16 @@ def build_learner(cfg, release_memory=None, on_record=None):
         def announce(version: int, path: Path) -> None:
             # the manifest's sha256 travels with the version: SHARDCAST clients accept no other manifest for it
             manifest_sha256 = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
-            client.announce_policy(version, learner_step=version, manifest_sha256=manifest_sha256)
+            # with it, the batches the steps since the last announcement took: their room in the async window
+            # goes to new assignments (design section 3)
+            consumed = source.take_consumed()[-4096:]  # PolicyAnnouncement's limit (older ones left the window)
+            try:
+                client.announce_policy(
+                    version, learner_step=version, manifest_sha256=manifest_sha256, consumed=consumed
+                )
+            except BaseException:
+                source.give_back_consumed(consumed)
+                raise
     else:
         accepted = StoreListing(store, trust_worker_rewards=True)
     t = cfg.trainer

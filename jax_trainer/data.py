@@ -130,6 +130,9 @@ class _Loaded:
         return 0 if self.batch is None else self.batch.num_samples
 
 
+MAX_TAKEN = 4096  # batch ids kept for the next announcement (PolicyAnnouncement.consumed's limit)
+
+
 class _AcceptedStream(grain.IterDataset):
     """grain source: each new record of the accepted listing, once; `None` while the learner waits for data."""
 
@@ -256,6 +259,7 @@ class RolloutPipeline:
         self._iter: grain.DatasetIterator | None = None
         self._stop, self._waiting = threading.Event(), threading.Event()
         self._listing_error: str | None = None
+        self._taken: list[str] = []  # batch ids consumed since the last take_consumed()
         self._pruned_before = 0
 
     # ------------------------------------------------------------------ background side (grain thread)
@@ -366,6 +370,7 @@ class RolloutPipeline:
             return False
         log.warning("rollout pipeline: skipped %s", reason)
         self._consumed.add(item.key)
+        self._taken.append(item.key[1])
         for counter in (self._counts, self._totals):
             counter[f"{kind}_batches"] += 1
             counter[f"{kind}_samples"] += item.samples
@@ -408,6 +413,8 @@ class RolloutPipeline:
             batch = build_step_batch(self._rollouts(items), step, **self.pack_args)  # PackingError: items stay
             self._pending = []
             self._consumed.update(item.key for item in items)
+            self._taken.extend(item.key[1] for item in items)
+            del self._taken[:-MAX_TAKEN]  # bounded where nothing takes them (a process that does not announce)
             self._counts["batches"] += len(items)
             self._totals["batches"] += len(items)
             if batch is not None:
@@ -420,6 +427,16 @@ class RolloutPipeline:
             self._pruned_before = step - self.keep_versions + 1
             stats["pruned_batches"] = float(len(self.store.prune(self._pruned_before)))
         return StepBatch(batch.packed, stats, tuple(f"v{item.key[0]}/{item.key[1]}" for item in items))
+
+    def take_consumed(self) -> list[str]:
+        """The ids of the batches consumed (trained on, or skipped) since the last call: the learner's policy
+        announcement reports them, and the orchestrator frees their room in the async window."""
+        taken, self._taken = self._taken, []
+        return taken
+
+    def give_back_consumed(self, batch_ids: list[str]) -> None:
+        """Ids `take_consumed` returned that could not be reported: they go with the next announcement."""
+        self._taken[:0] = batch_ids
 
     def cursor(self) -> dict[str, Any]:
         return {

@@ -2,13 +2,16 @@
 validation claims with leases, verdicts, and the learner's listing of accepted batches.
 
 Pacing (docs/design.md section 3). With current version V, the learner's next steps train on versions in
-[V - async_level, V]. Work "in the window" is an open assignment, a submitted batch, or an accepted batch the
-learner has not read yet, at a version in the window. At most `(async_level + 1) x assignments_per_step` of it
+[V - async_level, V]. Work "in the window" is an open assignment, a submitted batch, or an accepted batch no
+learner step has taken yet, at a version in the window. At most `(async_level + 1) x assignments_per_step` of it
 exist at once, where assignments_per_step = ceil(data.prompts_per_step / orchestrator.prompts_per_assignment):
 enough to feed the learner's next async_level + 1 steps and no more, so that nothing finished goes stale
-unread. A batch leaves the count when the learner reads it (GET /v1/batches with the admin token), when it is
-rejected, when its assignment is lost, or when its version leaves the window; each frees room for a new
-assignment. On top of that a worker holds at most `max_inflight_per_node` open assignments.
+unread. A batch leaves the count when a learner step takes it (the learner's next policy announcement lists
+it in `consumed`: trained on, or skipped), when it is rejected, when its assignment is lost, or when its
+version leaves the window; each frees room for a new assignment. Reading the listing frees nothing: the learner
+reads ahead (it prefetches batches it will train on several steps later), and a window freed by reads let
+workers run ahead of the learner until their batches went stale unread. On top of that a worker holds at most
+`max_inflight_per_node` open assignments.
 
 Deadlines and strikes. An assignment not announced within `deadline_s` of its issue expires (`expire()`, from
 the service's sweep): it leaves the window, so its room is handed out again, and it counts against its node like
@@ -50,7 +53,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fastapi import HTTPException
-from sqlalchemy import Engine, bindparam, func, or_, select
+from sqlalchemy import Engine, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids
@@ -113,18 +116,6 @@ _LIST_SUBMITTED = {
     ).order_by(W.id)
     for live in (True, False)
 }
-# The accepted batches a listing returned that the learner had not seen (those between its cursors).
-_DELIVER = (
-    _TABLE.update()
-    .where(
-        W.state == ACCEPTED,
-        W.version >= bindparam("min_version"),
-        W.verdict_seq > bindparam("after"),
-        W.verdict_seq <= bindparam("last"),
-        W.delivered_at.is_(None),
-    )
-    .values(delivered_at=bindparam("now"))
-)
 
 
 def near_tie_allowance(rate: float, slack: float, tokens: int) -> float:
@@ -237,7 +228,9 @@ class WorkScheduler:
             pinned = self.manifests.get(current)
             if msg.manifest_sha256 is not None and pinned is not None and msg.manifest_sha256 != pinned:
                 raise HTTPException(409, f"version {current} was announced with manifest sha256 {pinned}")
+            self._consume(msg.consumed)
             return self.policy
+        self._consume(msg.consumed)
         with self.db.begin() as s:
             last = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             row = Policy(
@@ -255,6 +248,20 @@ class WorkScheduler:
         self._next_k = {kv: k for kv, k in self._next_k.items() if kv[1] >= self.policy.min_version}
         log.info("policy version %d announced (learner step %d)", row.version, row.learner_step)
         return self.policy
+
+    def _consume(self, batch_ids: Sequence[str]) -> None:
+        """The learner's steps took these accepted batches: they leave the async window (each once; ids of
+        batches not accepted, or unknown, change nothing)."""
+        if not batch_ids:
+            return
+        with self.db.begin() as s:
+            taken = s.execute(
+                update(Work)
+                .where(Work.batch_id.in_(set(batch_ids)), Work.state == ACCEPTED, Work.delivered_at.is_(None))
+                .values(delivered_at=self.clock())
+                .returning(Work.version)
+            ).all()
+        self._window_add(-sum(self._in_window(v) for (v,) in taken))
 
     # -- assignments ----------------------------------------------------------------------------------------
 
@@ -597,7 +604,8 @@ class WorkScheduler:
         of the learner's cost more in models than in SQL).
 
         The cursor is the verdict order for accepted and rejected batches and the assignment id for submitted
-        and validating ones. Accepted batches returned to the learner are marked delivered.
+        and validating ones. A listing changes nothing: the learner's policy announcements say which accepted
+        batches its steps took (`PolicyAnnouncement.consumed`), and those leave the async window.
         """
         now = self.clock()
         params = {"min_version": min_version or 0, "after": -1 if after is None else after, "limit": limit}
@@ -605,21 +613,10 @@ class WorkScheduler:
             query, order, params["state"] = _LIST_DECIDED, "verdict_seq", status
         else:
             query, order, params["now"] = _LIST_SUBMITTED[status == "validating"], "id", now
-        fresh = []
         hot = self.hot
         with hot.begin() as conn:
             rows = hot.rows(conn, query, params)
-            if learner and status == ACCEPTED:
-                fresh = [w for w in rows if w["delivered_at"] is None]
-                if fresh:
-                    last = rows[-1]["verdict_seq"]
-                    hot.write(
-                        conn,
-                        _DELIVER,
-                        {"min_version": params["min_version"], "after": params["after"], "last": last, "now": now},
-                    )
         records = [batch_dict(w, now, public=not learner) for w in rows]
-        self._window_add(-sum(self._in_window(w["version"]) for w in fresh))
         cursor = (rows[-1][order] if rows else after) or 0
         return records, cursor
 

@@ -168,9 +168,14 @@ class _Routes:
         learner_step: int | None = None,
         relays: list[str] | None = None,
         manifest_sha256: str | None = None,
+        consumed: Iterable[str] = (),
     ) -> PolicyInfo:
         body = PolicyAnnouncement(
-            version=version, learner_step=learner_step, relays=relays, manifest_sha256=manifest_sha256
+            version=version,
+            learner_step=learner_step,
+            relays=relays,
+            manifest_sha256=manifest_sha256,
+            consumed=list(consumed),
         )
         return self._call(_Call("POST", "/v1/policy", PolicyInfo, body, auth="admin"))
 

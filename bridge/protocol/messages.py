@@ -333,6 +333,12 @@ class PolicyAnnouncement(Request):
         description="sha256 of the version's manifest.json; workers, "
         "validators and relays accept no other manifest for the version",
     )
+    consumed: list[BatchId] = Field(
+        [],
+        max_length=4096,
+        description="accepted batches the learner's steps since its last announcement took (trained on, or "
+        "skipped as stale, unreadable or all-equal): they leave the async window (pacing, design section 3)",
+    )
 
 
 class NodeInfo(Reply):

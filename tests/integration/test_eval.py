@@ -106,8 +106,12 @@ def test_sft_then_eval(tiny_model, tmp_path):
     assert [r["step"] for r in records] == list(range(1, 41)) and {r["role"] for r in records} == {"sft"}
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]
 
-    tuned = _eval(sft_dir, config)
+    tuned = _eval(sft_dir, config, "--completions", tmp_path / "completions.jsonl")
     assert tuned["n"] == 32 and tuned["version"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 32 and all(len(r["completions"]) == len(r["correct"]) == 1 for r in rows)
+    assert sum(r["correct"][0] for r in rows) / 32 == pytest.approx(tuned["accuracy"])
+    assert all(r["correct"][0] == (r["completions"][0].strip() == r["answer"]) for r in rows)  # the task's rule
     assert tuned["accuracy"] >= 0.6, tuned
     assert tuned["mean_completion_len"] == pytest.approx(6.0, abs=0.5)  # "1 2 3" + <|im_end|>
     reference = _transformers_greedy_accuracy(sft_dir, config)

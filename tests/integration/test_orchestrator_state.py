@@ -188,12 +188,17 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
     assert all(w.heartbeat().assignments == [] for w in idle)  # a public read is not the learner's
     read, cursor = pool.admin.all_batches(min_version=0, page=1)  # three pages: 1, 1, 0 batches
     assert [b.rewards for b in read] == [[1.0] * 4] * 2 and cursor == 2
-    assert all(len(w.heartbeat().assignments) == 1 for w in idle)  # the learner read them: room for two
+    assert all(w.heartbeat().assignments == [] for w in idle)  # read ahead, not trained: still in the window
     assert pool.admin.batches(after=cursor).batches == []
+    # the learner's steps took them: its announcement says so (an unknown id and a repeat change nothing)
+    policy = pool.admin.announce_policy(1, consumed=["b0", "no-such-batch"])
+    assert policy.min_version == 0  # version 0's work is still in the window
+    pool.admin.announce_policy(1, consumed=["b0", "b1"])  # the same version again: only the consumption counts
+    assert [len(w.heartbeat().assignments) for w in idle] == [1, 1]  # room for two
     # Version 2 with async_level 1: the window is [1, 2]; version-0 work no longer counts.
     policy = pool.admin.announce_policy(2, relays=["http://relay.test:8100"])
     assert (policy.min_version, policy.relays) == (1, ["http://relay.test:8100"])
-    w = busy[0]  # its batch b0 was read, so it has room
+    w = busy[0]  # its batch b0 was taken, so it has room
     [a] = w.heartbeat(loaded_versions=[0, 1]).assignments
     assert (a.version, a.k) == (2, 0)  # the current version, whichever the worker holds
     assert pool.submit(w, a, "b2").version == 2
@@ -205,12 +210,14 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
     validator.claim()
     validator.verdict("b2", Verdict(accepted=False, failed_checks=["sampling"], num_tokens=1))
     cached = pool.svc.scheduler.window_work()
-    assert cached == pool.svc.scheduler.window_work(recount=True) == 1  # w's open one; b2 was rejected; v0 left
+    # w's open one and the idle workers' two of version 1; b2 was rejected; version 0 left the window
+    assert cached == pool.svc.scheduler.window_work(recount=True) == 3
 
 
-def test_listings_page_by_status_version_and_cursor_and_free_the_window_once(tmp_path):
-    """The learner's page frees the window for exactly the batches it returned, once; the other statuses list by
-    assignment id; the expected sets are built from what the test did, not from the service."""
+def test_listings_page_by_status_version_and_cursor_and_consumption_frees_the_window_once(tmp_path):
+    """The learner's pages free nothing (it reads ahead); its announcement frees the window for exactly the accepted
+    batches it says its steps took, once; the other statuses list by assignment id; the expected sets are built
+    from what the test did, not from the service."""
     pool = Pool(tmp_path, **{"orchestrator.num_tasks": 100, "orchestrator.unproven_share": 1.0})
     validator = pool.node("validator")
     workers = [pool.node("worker") for _ in range(4)]
@@ -230,13 +237,15 @@ def test_listings_page_by_status_version_and_cursor_and_free_the_window_once(tmp
     assert scheduler.window_work(recount=True) == 3
     first = pool.admin.batches(limit=1)
     assert [b.batch_id for b in first.batches] == accepted[:1] and first.next_after == 1
-    assert scheduler.window_work() == scheduler.window_work(recount=True) == 2  # only the listed one was read
     rest = pool.admin.batches(after=first.next_after, limit=10)
     assert [b.batch_id for b in rest.batches] == accepted[1:] and rest.next_after == 4
+    assert scheduler.window_work() == scheduler.window_work(recount=True) == 3  # read, not taken: nothing freed
+    pool.admin.announce_policy(0, consumed=[accepted[0], decided[1]])  # a rejected one was never in the count
+    assert scheduler.window_work() == scheduler.window_work(recount=True) == 2
+    pool.admin.announce_policy(0, consumed=accepted)  # taken again: nothing is freed twice
     assert scheduler.window_work() == scheduler.window_work(recount=True) == 0
-    again = pool.admin.batches(limit=10)  # read again from the start: nothing is freed twice
+    again = pool.admin.batches(limit=10)  # read again from the start: the listing is unchanged
     assert [b.batch_id for b in again.batches] == accepted and again.next_after == 4
-    assert scheduler.window_work() == scheduler.window_work(recount=True) == 0
     assert pool.admin.batches(after=4).batches == [] and pool.admin.batches(after=4).next_after == 4
     assert pool.admin.batches(min_version=1).batches == []
     assert [b.batch_id for b in pool.admin.batches(status="rejected").batches] == [decided[1]]

@@ -141,8 +141,15 @@ def test_async_window_skips_stale_and_ahead_batches_and_reports_them(caplog):
         store, StoreListing(store, rewards=rewards), samples_per_step=8, async_level=1, poll_interval=0.02, **PACK
     )
     with pipe:
+        pipe.start(3)
+        time.sleep(0.3)  # read ahead in the background: read is not consumed
+        assert pipe.take_consumed() == []
         step = pipe.next(3, timeout=30)  # versions 0 and 1 are too old for step 3
         assert [v for v in step.packed.versions] == [2] * 8
+        # what the learner's next announcement reports: the two skipped and the one trained on, once
+        assert pipe.take_consumed() == ["b0", "b1", "b2"] and pipe.take_consumed() == []
+        pipe.give_back_consumed(["b2"])  # an announcement that failed: reported with the next one
+        assert pipe.take_consumed() == ["b2"]
         assert step.stats["stale_batches"] == 2 and step.stats["stale_samples"] == 16
         assert step.stats["staleness_mean"] == 1 and step.stats["staleness_max"] == 1
         assert "v000000/b0: stale: step 3 - version 0 > async_level 1" in caplog.text
