@@ -24,6 +24,10 @@ Measured, each over `--batches` batches:
   processes (what one core of an ingest sustains, whatever else the machine runs); `second_process_gain`;
 - `read_local`, `read_s3`: `RolloutStore.read` with the digest check (what validators and the learner do).
 
+With `--ingest-cpus C` each tmpfs ingest process runs in a cgroup of its own capped at C CPUs: on a machine with
+few cores the second process otherwise competes with the first, the clients and the orchestrator for the same
+cores, and the run cannot tell "a second process adds nothing" from "there was no core left for it".
+
 CPU seconds come from /proc; load averages are recorded at the start and end: the machine is shared, so rerun
 when they are high.
 
@@ -205,6 +209,22 @@ class Ingest:
         self.proc.wait(15)
 
 
+def limit_cpu(pid: int, cores: float, name: str) -> Path:
+    """Put `pid` in a cgroup of its own allowed `cores` CPUs (cgroup v2 cpu.max, else v1 cfs quota; needs root)."""
+    unified = Path("/sys/fs/cgroup/cgroup.controllers")
+    if unified.is_file() and "cpu" in unified.read_text().split():
+        group = Path("/sys/fs/cgroup") / f"uploads-bench-{name}"
+        group.mkdir(exist_ok=True)
+        (group / "cpu.max").write_text(f"{int(cores * 100_000)} 100000")
+    else:
+        group = Path("/sys/fs/cgroup/cpu") / f"uploads-bench-{name}"
+        group.mkdir(exist_ok=True)
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(cores * 100_000)))
+    (group / "cgroup.procs").write_text(str(pid))
+    return group
+
+
 class Workers:
     """Worker keys with open assignments to upload for (each upload uses one)."""
 
@@ -260,6 +280,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="batches of each kind in the per-batch costs")
     parser.add_argument("--clients", type=int, default=4, help="concurrent uploads in the sustained runs")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of each sustained run (interleaved)")
+    parser.add_argument(
+        "--ingest-cpus",
+        type=float,
+        default=None,
+        help="cap each tmpfs ingest process of the sustained runs at this many CPUs (a cgroup each; root): "
+        "whether a second process adds where each has a core's share of its own, on a machine with few cores",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     n, clients = args.batches, args.clients
@@ -282,6 +309,7 @@ def main() -> None:
     prompts = 8 * -(-uploads_planned // 3)  # the window: (async_level 2 + 1) x prompts_per_step / 8 assignments
     config.write_text(CONFIG.format(run=tmp / "run", token=TOKEN, url=orch.url, prompts=prompts, samples=16 * prompts))
     ingests: dict[str, Ingest] = {}
+    groups: list[Path] = []
     try:
         with orch:
             workers = Workers(tmp, orch.url, 4)
@@ -293,6 +321,10 @@ def main() -> None:
                 where = tmp / "up-local" if name == "local" else shm / name
                 ingests[name] = Ingest(tmp, config, str(where), name)
             pids = {name: proc.proc.pid for name, proc in ingests.items()}
+            if args.ingest_cpus is not None:
+                results["ingest_cpus"] = args.ingest_cpus
+                for name in ("shma", "shmb"):
+                    groups.append(limit_cpu(pids[name], args.ingest_cpus, name))
             me, counter = os.getpid(), [0]
 
             def direct(store: RolloutStore) -> None:
@@ -402,6 +434,8 @@ def main() -> None:
     finally:
         for proc in ingests.values():
             proc.close()
+        for group in groups:
+            group.rmdir()
         moto.close()
         shutil.rmtree(shm, ignore_errors=True)
     results["load_end"] = load()

@@ -346,7 +346,7 @@ def test_compute_challenge_admits_only_a_right_and_timely_answer(tmp_path):
 def test_a_schema_3_database_gains_the_claim_queue_and_listing_indexes(tmp_path):
     """The claim queries and the learner's listing of accepted batches use them (SQLite's plan): none scans or
     sorts the backlog."""
-    from orchestrator.scheduler import _DELIVER, _HELD_CLAIM, _LIST_DECIDED, _NEXT_CLAIM
+    from orchestrator.scheduler import _HELD_CLAIM, _LIST_DECIDED, _NEXT_CLAIM
 
     url = sqlite_url(tmp_path / "o.db")
     with open_database(url).begin() as conn:  # as schema 3 left it
@@ -362,7 +362,6 @@ def test_a_schema_3_database_gains_the_claim_queue_and_listing_indexes(tmp_path)
             (_HELD_CLAIM, ("ix_work_claim_queue", "ix_work_claimed_by")),
             (_NEXT_CLAIM, ("ix_work_claim_queue", "ix_work_claimed_by")),
             (_LIST_DECIDED, ("ix_work_state_seq",)),
-            (_DELIVER, ("ix_work_state_seq",)),
         ):
             compiled = query.compile(engine)  # SQLite's positional parameters: any values do for a plan
             rows = conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {compiled}", tuple(0 for _ in compiled.positiontup))

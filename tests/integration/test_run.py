@@ -165,10 +165,17 @@ def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model, s3):
         assert db.execute("SELECT count(*) FROM assignments WHERE state = 'accepted'").fetchone()[0] >= len(before)
 
     # the batches are in the bucket, every one of a version the retention keeps (the last step pruned
-    # versions below 5 - 2 + 1); the workers never held the bucket's credentials
+    # versions below 5 - 2 + 1) unless its upload ended after that prune (an assignment of version 2 or 3 still
+    # in the async window when the run ended); the workers never held the bucket's credentials
     stored = s3.snapshot("run/")
-    versions = {int(key.split("/")[1][1:]) for key in stored if key.endswith("/COMMIT")}
-    assert versions and min(versions) >= 4, sorted(versions)
+    committed = [key.split("/")[1:3] for key in stored if key.endswith("/COMMIT")]
+    assert committed and max(int(v[1:]) for v, _ in committed) >= 4, sorted(committed)
+    last = records[-1]
+    pruned_at = last["time"] - last["step_s"]  # the pipeline prunes as it hands the step its batch
+    with sqlite3.connect(run / "orchestrator.db") as db:
+        announced = dict(db.execute("SELECT batch_id, announced_at FROM assignments WHERE batch_id IS NOT NULL"))
+    kept_old = [(v, b, announced.get(b)) for v, b in committed if int(v[1:]) < 4]
+    assert all(at is not None and at > pruned_at for _, _, at in kept_old), (pruned_at, kept_old)
     assert any(r.get("pruned_batches", 0) > 0 for r in learner_records(run))
     assert "uploaded batch" in (run / "logs" / "worker0.log").read_text()
     final = Path(summary["final_policy"])
