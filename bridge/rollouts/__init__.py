@@ -20,7 +20,9 @@ from bridge.rollouts.schema import (
     OPTIONAL_FIELDS,
     PROOF_CHUNK_BYTES,
     PROOF_CHUNK_TOKENS,
+    SAMPLED_FIELD,
     SCHEMA_VERSION,
+    SCHEMAS,
     BatchMeta,
     BatchRef,
     RolloutStoreError,
@@ -29,6 +31,7 @@ from bridge.rollouts.schema import (
     expected_lengths,
     meta_json,
     parse_meta,
+    schema_fields,
 )
 from bridge.rollouts.store import CODECS, DEFAULT_MAX_BATCH_BYTES, RolloutStore
 
@@ -44,6 +47,8 @@ __all__ = [
     "OPTIONAL_FIELDS",
     "PROOF_CHUNK_BYTES",
     "PROOF_CHUNK_TOKENS",
+    "SAMPLED_FIELD",
+    "SCHEMAS",
     "SCHEMA_VERSION",
     "_BATCH_ID",
     "BatchMeta",
@@ -58,4 +63,5 @@ __all__ = [
     "expected_lengths",
     "meta_json",
     "parse_meta",
+    "schema_fields",
 ]

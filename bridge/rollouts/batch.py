@@ -12,7 +12,6 @@ import numpy as np
 from bridge.rollouts.schema import (
     _DTYPE,
     _FULL_LOGPROB_SLACK,
-    FIELDS,
     FINISH_LENGTH,
     FINISH_STOP,
     OPTIONAL_FIELDS,
@@ -23,12 +22,14 @@ from bridge.rollouts.schema import (
     RolloutStoreError,
     _where,
     expected_lengths,
+    schema_fields,
 )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutBatch:
-    """One batch: `meta` and the arrays of `FIELDS` (flat, with offsets; see docs/design.md section 6)."""
+    """One batch: `meta` and the arrays of `FIELDS` (flat, with offsets; see docs/design.md section 6); `sampled`
+    makes it a schema-2 batch."""
 
     meta: BatchMeta
     tokens: np.ndarray
@@ -45,6 +46,9 @@ class RolloutBatch:
     proof_offsets: np.ndarray
     full_logprobs: np.ndarray | None = None
     """Optional (`OPTIONAL_FIELDS`): each token's engine logprob on the full distribution, before top-k/top-p."""
+    sampled: np.ndarray | None = None
+    """Schema 2 (`SAMPLED_FIELD`): uint8 [T], 1 where the model sampled the token. None: a schema-1 batch, whose
+    completion tokens were all sampled (`token_mask`, `sample_mask` give that mask)."""
 
     @classmethod
     def from_samples(
@@ -62,9 +66,11 @@ class RolloutBatch:
         proofs: Sequence[bytes],
         target_lens: Sequence[int] | None = None,
         full_logprobs: Sequence[Any] | None = None,
+        sampled: Sequence[Any] | None = None,
     ) -> RolloutBatch:
         """Concatenate per-sample sequences (tokens, logprobs, proof bytes) into the flat layout;
-        `full_logprobs` (per sample, like `logprobs`; None: the batch does not hold the optional field)."""
+        `full_logprobs` (per sample, like `logprobs`; None: the batch does not hold the optional field);
+        `sampled` (per sample, 0/1 per token; None: a schema-1 batch)."""
         where = _where(meta.version, meta.batch_id)
         n = len(tokens)
         lists = {
@@ -107,11 +113,22 @@ class RolloutBatch:
                 if n
                 else np.zeros(0, np.float32)
             )
+        if sampled is not None:
+            if len(sampled) != n:
+                raise RolloutStoreError(where, "sampled", f"{len(sampled)} entries for {n} samples")
+            arrays["sampled"] = (
+                np.concatenate([_cast(x, "uint8", where, "sampled") for x in sampled]) if n else np.zeros(0, np.uint8)
+            )
         return cls(meta=meta, **arrays)
 
+    @property
+    def schema(self) -> int:
+        """2 when the batch holds `sampled`, else 1 (the schema its meta.json states)."""
+        return 1 if self.sampled is None else 2
+
     def fields(self) -> tuple[tuple[str, str, str], ...]:
-        """(name, dtype, length) of every array this batch holds: `FIELDS`, then its optional fields."""
-        return FIELDS + tuple(f for f in OPTIONAL_FIELDS if getattr(self, f[0]) is not None)
+        """(name, dtype, length) of every array this batch holds: its schema's fields, then its optional fields."""
+        return schema_fields(self.schema) + tuple(f for f in OPTIONAL_FIELDS if getattr(self, f[0]) is not None)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {name: getattr(self, name) for name, _, _ in self.fields()}
@@ -143,6 +160,22 @@ class RolloutBatch:
         holds them (the learner's logprobs are on the full distribution too), else the processed `logprobs`."""
         source = self.logprobs if self.full_logprobs is None else self.full_logprobs
         return source[self.offsets[i] : self.offsets[i + 1]]
+
+    def token_mask(self) -> np.ndarray:
+        """uint8 [T]: 1 on every token the model sampled (`sampled`; of a schema-1 batch, every completion token)."""
+        if self.sampled is not None:
+            return self.sampled
+        lengths = self.lengths
+        runs = np.stack([self.prompt_lens, lengths - self.prompt_lens], axis=1).reshape(-1)
+        return np.repeat(np.tile(np.array([0, 1], np.uint8), len(lengths)), runs)
+
+    def sample_mask(self, i: int) -> np.ndarray:
+        """uint8 [sample i's length]: 1 on the tokens the model sampled (see `token_mask`)."""
+        if self.sampled is not None:
+            return self.sampled[self.offsets[i] : self.offsets[i + 1]]
+        mask = np.ones(int(self.offsets[i + 1] - self.offsets[i]), np.uint8)
+        mask[: int(self.prompt_lens[i])] = 0
+        return mask
 
     def sample_proof(self, i: int) -> bytes:
         return self.proofs[self.proof_offsets[i] : self.proof_offsets[i + 1]].tobytes()
@@ -201,6 +234,8 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
     if vocab_size is not None:
         fail("tokens", batch.tokens >= vocab_size, f"token id >= vocabulary size {vocab_size}")
     fail("logprobs", ~np.isfinite(batch.logprobs), "non-finite logprob")
+    if batch.sampled is not None:
+        _check_sampled(batch, fail)
     # non-zero logprobs per prompt span [offsets[i], offsets[i] + prompt_lens[i]) (even entries of the reduceat)
     bounds = np.stack([offsets[:-1], offsets[:-1] + batch.prompt_lens]).T.reshape(-1)
     nonzero = np.add.reduceat((batch.logprobs != 0).view(np.uint8), bounds, dtype=np.int64)[0::2]
@@ -229,9 +264,42 @@ def check_batch(batch: RolloutBatch, vocab_size: int | None = None) -> None:
             f"must run from 0 to {len(batch.proofs)} (the proof bytes), "
             f"got {int(proof_offsets[0])} .. {int(proof_offsets[-1])}",
         )
-    chunks = -(-(lengths - batch.prompt_lens) // PROOF_CHUNK_TOKENS)
+    if batch.sampled is None:
+        chunks = -(-(lengths - batch.prompt_lens) // PROOF_CHUNK_TOKENS)
+        fail(
+            "proof_offsets",
+            np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
+            f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(completion length / {PROOF_CHUNK_TOKENS})",
+        )
+    else:
+        chunks = -(-np.add.reduceat(batch.sampled, offsets[:-1], dtype=np.int64) // PROOF_CHUNK_TOKENS)
+        fail(
+            "proof_offsets",
+            np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
+            f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(sampled tokens / {PROOF_CHUNK_TOKENS})",
+        )
+
+
+def _check_sampled(batch: RolloutBatch, fail) -> None:
+    """Schema 2's `sampled` (its length and dtype are checked already): 0 or 1; 0 on every prompt; 1 on each
+    sample's first token after its prompt and on its last token; logprobs 0 wherever it is 0."""
+    sampled, offsets = batch.sampled, batch.offsets
+    fail("sampled", sampled > 1, "not 0 or 1")
+    starts = offsets[:-1]
+    bounds = np.stack([starts, starts + batch.prompt_lens]).T.reshape(-1)
+    on_prompt = np.add.reduceat(sampled, bounds, dtype=np.int64)[0::2]
+    fail("sampled", on_prompt > 0, "1 on a prompt token of the sample")
     fail(
-        "proof_offsets",
-        np.diff(proof_offsets) != chunks * PROOF_CHUNK_BYTES,
-        f"proof bytes differ from {PROOF_CHUNK_BYTES} x ceil(completion length / {PROOF_CHUNK_TOKENS})",
+        "sampled",
+        sampled[starts + batch.prompt_lens] != 1,
+        "0 on the sample's first token after its prompt (prompt_lens marks where the model starts)",
     )
+    fail("sampled", sampled[offsets[1:] - 1] != 1, "0 on the sample's last token (an episode ends with a model turn)")
+    unsampled = sampled == 0
+    fail("logprobs", (batch.logprobs != 0) & unsampled, "non-zero logprob on a token the model did not sample")
+    if batch.full_logprobs is not None:
+        fail(
+            "full_logprobs",
+            (batch.full_logprobs != 0) & unsampled,
+            "non-zero logprob on a token the model did not sample",
+        )

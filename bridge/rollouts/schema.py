@@ -3,11 +3,19 @@
 A batch is one assignment's output (G completions for each of P prompts): one 1-D array per field of `FIELDS`
 and per optional field of `OPTIONAL_FIELDS` it holds, and `meta.json`.
 
-`meta.json` has exactly these keys: `schema` (1), `batch_id`, `node_key` (hex public key of the worker),
+`meta.json` has exactly these keys: `schema` (1 or 2), `batch_id`, `node_key` (hex public key of the worker),
 `version`, `assignment_id` (non-negative integer or string), `sampling` (object: temperature, top_p, ...),
 `model_dtype` ("float32" | "bfloat16" | "float16"), and the counts `num_samples` (n), `num_tokens` (T) and
 `num_proof_bytes` (P) that fix every array's length: T for tokens and logprobs, n + 1 for both offset
 arrays, P for proofs, n for the rest. This writer emits it with sorted keys, no spaces, ASCII only.
+
+Schema 2 adds one required field after `FIELDS`, `sampled` (uint8, T): 1 where the model sampled the token, 0
+where the prompt or the environment of a multi-turn episode wrote it (tool outputs, user turns, the chat
+template's wrapper). Each sample's first `prompt_lens` tokens are unsampled, the token right after them and its
+last token are sampled; `logprobs` (and `full_logprobs`) are 0 on every unsampled token, and the TOPLOC proofs
+commit to the hidden states behind the sampled tokens only (258 bytes per 32 of them). A writer emits schema 2
+exactly when the batch holds `sampled`; a schema-1 batch (no `sampled`, every older writer's) reads as before,
+as one whose completion tokens were all sampled.
 
 Optional fields (`OPTIONAL_FIELDS`): `full_logprobs` (float32, T), the engine's logprob of each sampled token
 on the full distribution at the sampling temperature, before top-k/top-p (0 on prompt tokens). A batch
@@ -19,9 +27,9 @@ Canonical bytes. The sha256 in `COMMIT` is computed over the batch's decoded val
 language can recompute it:
 
     digest = sha256(
-        b"intellect-rollout-batch/1\\n"
+        b"intellect-rollout-batch/1\\n"   (schema 2: b"intellect-rollout-batch/2\\n")
         + for each field in the order of `FIELDS` (the order of the table in docs/design.md section 6),
-          then each optional field the batch holds, in the order of `OPTIONAL_FIELDS`:
+          then (schema 2) `sampled`, then each optional field the batch holds, in the order of `OPTIONAL_FIELDS`:
               name + b"\\n" + dtype + b"\\n" + u64le(number of elements) + sha256(values)
         + b"meta.json\\n" + u64le(len(meta)) + sha256(meta))
 
@@ -47,10 +55,15 @@ import numpy as np
 
 from bridge.protocol.messages import BATCH_ID_PATTERN
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The newest schema: 2 adds `sampled` (`SAMPLED_FIELD`), which a writer emits for a batch that holds it; a batch
+without it is written and read as schema 1, byte for byte as before (module docstring)."""
+SCHEMAS = (1, 2)
 PROOF_CHUNK_BYTES = 258  # one TOPLOC proof: u16 modulus + 128 u16 coefficients (docs/design.md section 7)
 PROOF_CHUNK_TOKENS = 32  # decode steps covered by one proof
 DIGEST_DOMAIN = b"intellect-rollout-batch/1\n"
+DIGEST_DOMAINS = {1: DIGEST_DOMAIN, 2: b"intellect-rollout-batch/2\n"}
+"""The first bytes of the canonical digest of a batch of each schema."""
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 FINISH_STOP = 0
 """`finish` of a completion that ended with a stop token (docs/design.md section 6)."""
@@ -72,10 +85,12 @@ FIELDS: tuple[tuple[str, str, str], ...] = (
     ("proofs", "uint8", "P"),
     ("proof_offsets", "int64", "n+1"),
 )
+SAMPLED_FIELD = ("sampled", "uint8", "T")
+"""Schema 2: 1 where the model sampled the token, 0 where the prompt or the environment wrote it (module docstring)."""
 OPTIONAL_FIELDS: tuple[tuple[str, str, str], ...] = (("full_logprobs", "float32", "T"),)
 """Fields a batch may hold or not (module docstring); hashed after `FIELDS` when present."""
 FIELD_NAMES = tuple(name for name, _, _ in FIELDS)
-_DTYPE = {name: dtype for name, dtype, _ in FIELDS + OPTIONAL_FIELDS}
+_DTYPE = {name: dtype for name, dtype, _ in FIELDS + (SAMPLED_FIELD,) + OPTIONAL_FIELDS}
 _FULL_LOGPROB_SLACK = 1e-4  # float32 rounding of processed + log(kept mass) against the processed logprob
 _META_KEYS = frozenset(
     {
@@ -93,9 +108,6 @@ _META_KEYS = frozenset(
 )
 _BATCH_ID = re.compile(BATCH_ID_PATTERN)  # used with fullmatch
 _HEX_KEY = re.compile(r"[0-9a-fA-F]{1,256}")
-_COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
-_COMMIT_KEY = re.compile(r"v(\d{6,})/([^/]+)/COMMIT")
-_VERSION_DIR = re.compile(r"v\d{6,}")
 
 _HASH_POOL = cf.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="rollout-hash")
 
@@ -151,10 +163,13 @@ def _where(version: Any, batch_id: Any) -> str:
         return f"v{version!r}/{batch_id}"
 
 
-def meta_json(meta: BatchMeta, num_samples: int, num_tokens: int, num_proof_bytes: int) -> bytes:
-    """The bytes of `meta.json`: sorted keys, no spaces, ASCII (readers hash these bytes as they are stored)."""
+def meta_json(meta: BatchMeta, num_samples: int, num_tokens: int, num_proof_bytes: int, schema: int = 1) -> bytes:
+    """The bytes of `meta.json`: sorted keys, no spaces, ASCII (readers hash these bytes as they are stored).
+    `schema`: 2 for a batch holding `sampled`, else 1 (`RolloutBatch.schema`)."""
+    if schema not in SCHEMAS:
+        raise ValueError(f"rollout schema {schema!r} is not one of {SCHEMAS}")
     doc = {
-        "schema": SCHEMA_VERSION,
+        "schema": schema,
         "batch_id": meta.batch_id,
         "node_key": meta.node_key,
         "version": int(meta.version),
@@ -178,7 +193,7 @@ def _reject_constant(name: str) -> None:
 
 
 def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
-    """`meta.json` bytes -> (`BatchMeta`, counts {num_samples, num_tokens, num_proof_bytes}); strict."""
+    """`meta.json` bytes -> (`BatchMeta`, counts {schema, num_samples, num_tokens, num_proof_bytes}); strict."""
     try:
         doc = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -195,8 +210,13 @@ def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
             raise RolloutStoreError(where, f"meta.{key}", f"{value!r} is not a non-negative integer")
         return value
 
-    if doc["schema"] != SCHEMA_VERSION or isinstance(doc["schema"], bool):
-        raise RolloutStoreError(where, "meta.schema", f"{doc['schema']!r}: this reader knows schema {SCHEMA_VERSION}")
+    if isinstance(doc["schema"], bool) or doc["schema"] not in SCHEMAS:
+        raise RolloutStoreError(
+            where,
+            "meta.schema",
+            f"{doc['schema']!r}: this reader knows schemas {', '.join(map(str, SCHEMAS))} (a newer writer's batch "
+            "needs a newer reader)",
+        )
     if not isinstance(doc["batch_id"], str) or not _BATCH_ID.fullmatch(doc["batch_id"]):
         raise RolloutStoreError(where, "meta.batch_id", f"{doc['batch_id']!r} is not a valid batch id")
     if not isinstance(doc["node_key"], str) or not _HEX_KEY.fullmatch(doc["node_key"]):
@@ -221,13 +241,20 @@ def parse_meta(raw: bytes, where: str) -> tuple[BatchMeta, dict[str, int]]:
         model_dtype=doc["model_dtype"],
     )
     counts = {k: integer(k) for k in ("num_samples", "num_tokens", "num_proof_bytes")}
-    return meta, counts
+    return meta, {"schema": doc["schema"], **counts}
+
+
+def schema_fields(schema: int) -> tuple[tuple[str, str, str], ...]:
+    """The required fields of a batch of `schema`, in digest order: `FIELDS`, then (schema 2) `SAMPLED_FIELD`."""
+    if schema not in SCHEMAS:
+        raise ValueError(f"rollout schema {schema!r} is not one of {SCHEMAS}")
+    return FIELDS if schema == 1 else FIELDS + (SAMPLED_FIELD,)
 
 
 def expected_lengths(counts: Mapping[str, int]) -> dict[str, int]:
     n, t, p = counts["num_samples"], counts["num_tokens"], counts["num_proof_bytes"]
     sizes = {"T": t, "n": n, "n+1": n + 1, "P": p}
-    return {name: sizes[length] for name, _, length in FIELDS + OPTIONAL_FIELDS}
+    return {name: sizes[length] for name, _, length in FIELDS + (SAMPLED_FIELD,) + OPTIONAL_FIELDS}
 
 
 def _field_digest(arr: np.ndarray, dtype: str) -> bytes:
@@ -235,9 +262,13 @@ def _field_digest(arr: np.ndarray, dtype: str) -> bytes:
 
 
 def _combine(
-    fields: Sequence[tuple[str, str, str]], sizes: Sequence[int], digests: Sequence[bytes], meta_bytes: bytes
+    fields: Sequence[tuple[str, str, str]],
+    sizes: Sequence[int],
+    digests: Sequence[bytes],
+    meta_bytes: bytes,
+    schema: int = 1,
 ) -> str:
-    outer = hashlib.sha256(DIGEST_DOMAIN)
+    outer = hashlib.sha256(DIGEST_DOMAINS[schema])
     for (name, dtype, _), size, digest in zip(fields, sizes, digests, strict=True):
         outer.update(name.encode() + b"\n" + dtype.encode() + b"\n" + struct.pack("<Q", size) + digest)
     outer.update(b"meta.json\n" + struct.pack("<Q", len(meta_bytes)) + hashlib.sha256(meta_bytes).digest())
@@ -246,7 +277,9 @@ def _combine(
 
 def canonical_sha256(arrays: Mapping[str, np.ndarray], meta_bytes: bytes) -> str:
     """Hex sha256 of the batch's canonical bytes (module docstring); fields are hashed in parallel. `arrays`
-    holds every field of `FIELDS` and the optional fields the batch holds."""
-    fields = FIELDS + tuple(f for f in OPTIONAL_FIELDS if f[0] in arrays)
+    holds every field of `FIELDS`, `sampled` for a schema-2 batch, and the optional fields the batch holds."""
+    schema = 2 if SAMPLED_FIELD[0] in arrays else 1
+    fields = schema_fields(schema) + tuple(f for f in OPTIONAL_FIELDS if f[0] in arrays)
     digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in fields]
-    return _combine(fields, [arrays[name].size for name, _, _ in fields], [d.result() for d in digests], meta_bytes)
+    sizes = [arrays[name].size for name, _, _ in fields]
+    return _combine(fields, sizes, [d.result() for d in digests], meta_bytes, schema)

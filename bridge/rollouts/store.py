@@ -2,8 +2,9 @@
 
 A batch lives under `<store>/v{version:06d}/{batch_id}/` on any tensorstore kvstore:
 
-    v000003/b-17/tokens/zarr.json  tokens/0 ...     one 1-D zarr v3 array per field of `FIELDS` and per
-                                                     optional field of `OPTIONAL_FIELDS` the batch holds
+    v000003/b-17/tokens/zarr.json  tokens/0 ...     one 1-D zarr v3 array per field of its schema
+                                                     (`schema_fields`) and per optional field of
+                                                     `OPTIONAL_FIELDS` the batch holds
                                                      (compressed, `CODECS`; origin 0; `fill_value` 0; chunk
                                                      keys in the "v2" encoding, so chunk k is `tokens/k`)
     v000003/b-17/meta.json                           a JSON object (`bridge.rollouts.schema`)
@@ -49,7 +50,6 @@ from bridge.rollouts.limits import ReadLimits
 from bridge.rollouts.schema import (
     _BATCH_ID,
     _HASH_POOL,
-    FIELDS,
     OPTIONAL_FIELDS,
     BatchRef,
     RolloutStoreError,
@@ -60,6 +60,7 @@ from bridge.rollouts.schema import (
     expected_lengths,
     meta_json,
     parse_meta,
+    schema_fields,
 )
 
 _COMMIT = re.compile(rb"([0-9a-f]{64})\n?")
@@ -196,7 +197,7 @@ class RolloutStore:
         check_batch(batch, vocab_size)
         arrays, fields = batch.arrays(), batch.fields()
         names = tuple(name for name, _, _ in fields)
-        meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs))
+        meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs), batch.schema)
         parse_meta(meta, where)  # the reader's checks of node_key, assignment_id, model_dtype, ...
         digests = [_HASH_POOL.submit(_field_digest, arrays[name], dtype) for name, dtype, _ in fields]
         existing = _result(self.kvstore.read(prefix + "COMMIT"), where, "COMMIT", "reading")
@@ -219,7 +220,8 @@ class RolloutStore:
                 writes.append(store.write(arrays[name]))
         for name, future in zip(("meta.json",) + names, writes):
             _result(future, where, name, "writing")
-        digest = _combine(fields, [arrays[name].size for name in names], [d.result() for d in digests], meta)
+        sizes = [arrays[name].size for name in names]
+        digest = _combine(fields, sizes, [d.result() for d in digests], meta, batch.schema)
         if expect_sha256 is not None and digest != expect_sha256:
             _result(self.kvstore.delete_range(_prefix_range(prefix)), where, "batch", "clearing a refused write")
             raise RolloutStoreError(where, "COMMIT", f"the values hash to {digest}, not the expected {expect_sha256}")
@@ -318,7 +320,7 @@ class RolloutStore:
         if limits is not None:
             limits.check_counts(counts, where)
         lengths = expected_lengths(counts)
-        fields = FIELDS + tuple(f for f in OPTIONAL_FIELDS if self._holds(prefix, f[0], where))
+        fields = schema_fields(counts["schema"]) + tuple(f for f in OPTIONAL_FIELDS if self._holds(prefix, f[0], where))
         declared = sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in fields)
         if declared > max_batch_bytes:
             raise RolloutStoreError(
@@ -366,7 +368,7 @@ class RolloutStore:
             arrays[name] = np.asarray(_result(reads[name], where, name, "reading"))
             digests.append(_HASH_POOL.submit(_field_digest, arrays[name], dtype))
         sizes = [arrays[name].size for name, _, _ in fields]
-        actual = _combine(fields, sizes, [d.result() for d in digests], raw.value)
+        actual = _combine(fields, sizes, [d.result() for d in digests], raw.value, counts["schema"])
         if actual != digest:
             raise RolloutStoreError(
                 where,
