@@ -232,7 +232,7 @@ def sandboxed():
 
 
 def test_python_tool_runs_code_in_the_sandbox_and_the_re_run_gets_the_same_bytes(sandboxed, tmp_path):
-    env = get_environment("python_tool", {"timeout_s": 2})
+    env = get_environment("python_tool", {"timeout_s": 30})  # generous: the test machine may be loaded
     task = Task(prompt="What is 17 * 23?", reward="math", answer="391", meta={"a": 17, "b": 23, "op": "*"})
     secret = tmp_path / "secret.txt"
     secret.write_text("the node's secret")
