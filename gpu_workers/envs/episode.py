@@ -174,13 +174,12 @@ def play(
             r.logprobs += [0.0] * len(env)
             still.append(i)
         active = still
-    for r in rollouts:
-        if r.full_logprobs is not None:
-            prompt_zeros = [0.0] * r.prompt_len
-            full = iter(r.full_logprobs)
-            r.full_logprobs = prompt_zeros + [next(full) if s else 0.0 for s in r.sampled[r.prompt_len :]]
+    for r in rollouts:  # full logprobs only where every turn of every episode has them (the replayable sampler)
         if not with_full:
             r.full_logprobs = None
+            continue
+        full = iter(r.full_logprobs)
+        r.full_logprobs = [0.0] * r.prompt_len + [next(full) if s else 0.0 for s in r.sampled[r.prompt_len :]]
     return rollouts
 
 
