@@ -67,7 +67,9 @@ def honest_worker(prefill, protocol: Protocol):
                 if t in protocol.stop_token_ids:
                     break
             finish = FINISH_STOP if tokens[-1] in protocol.stop_token_ids else FINISH_LENGTH
-            outs.append(types.SimpleNamespace(tokens=tokens, logprobs=logprobs, full_logprobs=None, finish=finish))
+            outs.append(
+                types.SimpleNamespace(tokens=tokens, logprobs=logprobs, full_logprobs=None, finish=finish, hidden=None)
+            )
         return outs
 
     return generate
