@@ -8,7 +8,8 @@ write hashes them (in parallel, while it writes) and commits only if they hash t
 
     u32le(len(meta)) meta.json        the exact bytes of meta.json (sorted keys, ASCII: `bridge.rollouts`)
     u8 optional fields present        bit i: the i-th field of `OPTIONAL_FIELDS` (full_logprobs) follows
-    the values of each field          in digest order (`FIELDS`, then the optional fields present), little-endian,
+    the values of each field          in digest order (the fields of meta.json's schema: `FIELDS`, then for
+                                      schema 2 `sampled`; then the optional fields present), little-endian,
                                       as many as meta.json's counts say (T, n, n + 1 or P)
 
 Every byte of it is fixed by the batch's canonical sha256 (the COMMIT digest): the digest covers meta.json and
@@ -30,8 +31,8 @@ import numpy as np
 
 from bridge.protocol.upload_client import HEADER_BATCH_SHA256, UPLOAD_PREFIX
 from bridge.rollouts import (
-    FIELDS,
     OPTIONAL_FIELDS,
+    SCHEMA_VERSION,
     BatchMeta,
     ReadLimits,
     RolloutBatch,
@@ -40,6 +41,7 @@ from bridge.rollouts import (
     expected_lengths,
     meta_json,
     parse_meta,
+    schema_fields,
 )
 
 MAX_META_BYTES = 1 << 16
@@ -74,7 +76,7 @@ def upload_path(assignment_id: int, batch_id: str) -> str:
 def encode(batch: RolloutBatch) -> tuple[int, list[memoryview]]:
     """(length, pieces) of the upload stream of `batch`: the pieces are views of its arrays, not copies."""
     fields = batch.fields()
-    meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs))
+    meta = meta_json(batch.meta, batch.num_samples, len(batch.tokens), len(batch.proofs), batch.schema)
     flags = sum(1 << i for i, (name, _, _) in enumerate(OPTIONAL_FIELDS) if getattr(batch, name) is not None)
     pieces = [memoryview(_HEAD.pack(len(meta)) + meta + bytes([flags]))]
     for name, dtype, _ in fields:
@@ -84,16 +86,22 @@ def encode(batch: RolloutBatch) -> tuple[int, list[memoryview]]:
 
 
 def stream_length(counts: dict[str, int], meta_bytes: int, optional: tuple[str, ...] = ()) -> int:
-    """The length of the upload stream of a batch with these counts (meta.json's) and optional fields."""
+    """The length of the upload stream of a batch with these counts (meta.json's: its schema, 1 when absent, and
+    sizes) and optional fields."""
     lengths = expected_lengths(counts)
-    fields = FIELDS + tuple(f for f in OPTIONAL_FIELDS if f[0] in optional)
+    fields = schema_fields(counts.get("schema", 1)) + tuple(f for f in OPTIONAL_FIELDS if f[0] in optional)
     return _HEAD.size + meta_bytes + 1 + sum(lengths[name] * np.dtype(dtype).itemsize for name, dtype, _ in fields)
 
 
 def max_stream_length(limits: ReadLimits, with_optional: bool = True) -> int:
     """The longest upload stream a batch within `limits` can have (every bound of `limits` must be set)."""
     n = limits.max_samples
-    counts = {"num_samples": n, "num_tokens": limits.max_tokens, "num_proof_bytes": limits.max_proof_bytes}
+    counts = {
+        "schema": SCHEMA_VERSION,  # the newest schema holds every field the older ones do, and more
+        "num_samples": n,
+        "num_tokens": limits.max_tokens,
+        "num_proof_bytes": limits.max_proof_bytes,
+    }
     optional = tuple(name for name, _, _ in OPTIONAL_FIELDS) if with_optional else ()
     return stream_length(counts, MAX_META_BYTES, optional)
 
@@ -194,7 +202,7 @@ class UploadDecoder:
                 f"the request announced {self.length} bytes",
             )
         self.meta, self.meta_bytes, self.counts = meta, meta_bytes, counts
-        self._fields = list(FIELDS + tuple(f for f in OPTIONAL_FIELDS if f[0] in optional))
+        self._fields = list(schema_fields(counts["schema"]) + tuple(f for f in OPTIONAL_FIELDS if f[0] in optional))
         lengths = expected_lengths(counts)
         for name, dtype, _ in self._fields:  # pages are committed as bytes arrive, not here
             self._arrays[name] = np.empty(lengths[name], np.dtype(dtype).newbyteorder("<"))

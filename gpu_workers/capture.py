@@ -238,11 +238,18 @@ class ProofCapture:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        build_proofs: bool = True,
+    ) -> list[Completion]:
         """Generate one completion per prompt (token ids) and return them in order, with proofs.
 
         The sampled token's logprob is always requested (`logprobs=0` is set on a copy of params that ask
         for none). Raises ValueError for `n > 1` and RuntimeError if a request's states were not all seen.
+        `build_proofs=False`: completions carry their hidden states and no proofs (a multi-turn episode proves
+        its turns' states together, `gpu_workers.envs.episode`).
         """
         import torch
         from vllm.inputs import TokensPrompt
@@ -291,6 +298,8 @@ class ProofCapture:
                     request_id=out.request_id,
                 )
             )
+        if not build_proofs:
+            return completions
         proofs = build_proofs_batch([c.hidden.to(torch.bfloat16) for c in completions], self.chunk, self.topk)
         for completion, sample_proofs in zip(completions, proofs):
             completion.proofs = sample_proofs

@@ -65,6 +65,16 @@ class DataConfig(Section):
     """System message put before every prompt by the chat template (None: no system message)."""
     allow_unsandboxed_code: bool = False
     """Run code rewards' programs without the bubblewrap sandbox where none can be made (trusted pools only)."""
+    env: str | None = None
+    """Multi-turn environment every task is played in (retry, guess, python_tool; None: single-turn)."""
+    env_config: dict[str, Any] = {}
+    """Settings of data.env (e.g. {decay = 0.8} for retry; see gpu_workers/envs/ for each environment's)."""
+    max_turns: int = Field(4, gt=0)
+    """data.env: most model turns in one episode."""
+    max_env_tokens: int = Field(256, gt=0)
+    """data.env: most tokens of one environment turn, its chat-template wrapper included."""
+    max_episode_tokens: int | None = Field(None, gt=0)
+    """data.env: most tokens of one episode, first prompt included (None: max_prompt_len + every turn at its caps)."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
@@ -104,6 +114,19 @@ class DataConfig(Section):
             ("data.columns", "data.format"),
             f"data.columns {unknown}: format {self.format!r} has the fields {', '.join(FORMATS[self.format])}",
         )
+        require(
+            self.env is None or not self.length_targets,
+            ("data.env", "data.length_targets"),
+            "data.length_targets state a thinking length in a single-turn prompt; unset them with data.env",
+        )
+        if self.env is not None:
+            from gpu_workers.envs import REGISTRY
+
+            require(
+                self.env in REGISTRY,
+                ("data.env",),
+                f"data.env {self.env!r} is not one of {', '.join(sorted(REGISTRY))}",
+            )
         bad = [t for t in self.length_targets if not 0 < t <= self.max_new_tokens]
         require(
             not bad,
@@ -202,5 +225,29 @@ class ValidatorConfig(Section):
 
 
 def completion_cap(worker: WorkerConfig, data: DataConfig) -> int:
-    """Most tokens one completion may have in this pool: worker.max_tokens, else data.max_new_tokens."""
+    """Most tokens one completion (of an episode: one model turn) may have in this pool: worker.max_tokens, else
+    data.max_new_tokens."""
     return worker.max_tokens or data.max_new_tokens
+
+
+def episode_limits(worker: WorkerConfig, data: DataConfig):
+    """The `gpu_workers.envs.EpisodeLimits` of a pool with data.env (None without)."""
+    if data.env is None:
+        return None
+    from gpu_workers.envs.base import EpisodeLimits
+
+    cap = completion_cap(worker, data)
+    total = data.max_episode_tokens or (
+        data.max_prompt_len + data.max_turns * cap + (data.max_turns - 1) * data.max_env_tokens
+    )
+    return EpisodeLimits(data.max_turns, cap, data.max_env_tokens, total)
+
+
+def sample_caps(worker: WorkerConfig, data: DataConfig) -> tuple[int, int]:
+    """(the most sampled tokens, the most tokens) one sample of this pool may hold: a completion and a prompt
+    with it, or an episode's model turns and the whole episode."""
+    limits = episode_limits(worker, data)
+    if limits is None:
+        cap = completion_cap(worker, data)
+        return cap, data.max_prompt_len + cap
+    return limits.max_sampled_tokens, limits.max_total_tokens

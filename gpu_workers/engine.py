@@ -34,6 +34,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,33 +175,40 @@ class Engine:
         *,
         temperature: float,
         top_p: float = 1.0,
-        max_tokens: int,
+        max_tokens: int | Sequence[int],
         stop_token_ids: list[int] | None = None,
         proofs: bool = True,
+        hidden_only: bool = False,
     ) -> list[Completion]:
         """One completion per (prompt, seed), in order, with logprobs, finish reasons and TOPLOC proofs.
 
+        `max_tokens`: one cap for all, or one per prompt (a multi-turn episode's turn caps).
         `proofs=False` generates on the same engine with the capture hook inactive (it returns at once)
         and builds no proofs: completions carry empty `hidden` and `proofs` (for measuring what proofs cost).
+        `hidden_only`: capture the hidden states but build no proofs (the caller proves them, e.g. all the model
+        turns of an episode together).
         """
         from vllm import SamplingParams
 
         if len(prompts) != len(seeds):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(seeds)} seeds")
+        caps = [int(max_tokens)] * len(seeds) if isinstance(max_tokens, (int, np.integer)) else list(max_tokens)
+        if len(caps) != len(seeds):
+            raise ValueError(f"generate: {len(caps)} max_tokens for {len(seeds)} prompts")
         params = [
             SamplingParams(
                 n=1,
                 seed=int(s),
                 temperature=temperature,
                 top_p=top_p,
-                max_tokens=max_tokens,
+                max_tokens=cap,
                 stop_token_ids=stop_token_ids,
                 logprobs=0,
             )
-            for s in seeds
+            for s, cap in zip(seeds, caps)
         ]
         if proofs:
-            completions = self.capture.generate(prompts, params)
+            completions = self.capture.generate(prompts, params, build_proofs=not hidden_only)
         else:
             completions = self._generate_without_proofs(prompts, params)
         if self.config.sampler == "replayable" and temperature > 0:

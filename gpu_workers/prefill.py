@@ -143,45 +143,59 @@ class Prefill:
 
         Raises ValueError naming the sample for an empty prompt or completion or a token id outside the vocab.
         """
-        import torch
-
         for i, (prompt, completion) in enumerate(samples):
             if len(prompt) == 0 or len(completion) == 0:
                 raise ValueError(
                     f"sample {i}: prompt ({len(prompt)} tokens) and completion ({len(completion)} "
                     "tokens) must both be non-empty"
                 )
-            bad = [t for t in (*prompt, *completion) if not 0 <= t < self.vocab_size]
+        return self.run_positions(
+            [(list(p) + list(c), range(len(p), len(p) + len(c))) for p, c in samples],
+        )
+
+    def run_positions(self, samples) -> list[Prefilled]:
+        """Recompute each (tokens, positions) pair, one prefill of the whole sequence: `hidden` and `logits` row j
+        are the state and logits at position positions[j] - 1, the ones that sampled token positions[j] (a
+        multi-turn episode's sampled tokens, across its turns). Positions must rise and lie in 1..len - 1.
+
+        Raises ValueError naming the sample for malformed positions or a token id outside the vocab.
+        """
+        import numpy as np
+        import torch
+
+        rows_of = []
+        for i, (tokens, positions) in enumerate(samples):
+            pos = np.asarray(positions, dtype=np.int64)
+            if len(pos) == 0 or pos[0] < 1 or pos[-1] >= len(tokens) or np.any(np.diff(pos) <= 0):
+                raise ValueError(f"sample {i}: positions must rise within 1..{len(tokens) - 1} and not be empty")
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"sample {i}: token ids {bad[:5]} lie outside the vocab (0..{self.vocab_size - 1})")
+            rows_of.append(torch.from_numpy(pos - 1))
         results: list[Prefilled | None] = [None] * len(samples)
         with torch.inference_mode():
-            for batch in self._batches(samples):
-                width = max(len(samples[i][0]) + len(samples[i][1]) for i in batch)
+            for batch in self._batches([len(samples[i][0]) for i in range(len(samples))]):
+                width = max(len(samples[i][0]) for i in batch)
                 ids = torch.zeros(len(batch), width, dtype=torch.long)
                 mask = torch.zeros(len(batch), width, dtype=torch.long)
                 for row, i in enumerate(batch):
-                    seq = list(samples[i][0]) + list(samples[i][1])
+                    seq = list(samples[i][0])
                     ids[row, : len(seq)] = torch.tensor(seq)
                     mask[row, : len(seq)] = 1
                 states = self.decoder(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False
                 ).last_hidden_state
-                hidden = [
-                    states[row, len(samples[i][0]) - 1 : len(samples[i][0]) - 1 + len(samples[i][1])]
-                    for row, i in enumerate(batch)
-                ]
-                # one LM head matmul over the batch's completion rows, then split per sample
+                hidden = [states[row].index_select(0, rows_of[i].to(states.device)) for row, i in enumerate(batch)]
+                # one LM head matmul over the batch's scored rows, then split per sample
                 logits = self.head(torch.cat(hidden)).float().cpu().split([len(h) for h in hidden])
                 for i, h, z in zip(batch, hidden, logits):
                     results[i] = Prefilled(hidden=h.cpu(), logits=z)
         return results
 
-    def _batches(self, samples: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+    def _batches(self, lengths: list[int]) -> list[list[int]]:
         """Sample indices grouped longest first, each group's padded size within `batch_tokens` (or 1 sample)."""
-        lengths = [len(p) + len(c) for p, c in samples]
         batches: list[list[int]] = []
-        for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
             if batches and lengths[batches[-1][0]] * (len(batches[-1]) + 1) <= self.batch_tokens:
                 batches[-1].append(i)
             else:

@@ -46,13 +46,15 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from bridge.protocol import BatchRecord, OrchestratorError, Verdict
 from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
 from gpu_workers import checks
-from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap
+from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap, episode_limits, sample_caps
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.prefill import resolve_device
 from gpu_workers.rewards import sample_reward
@@ -73,6 +75,14 @@ class _Loaded:
     prefill: object  # gpu_workers.prefill.Prefill
     tokenizer: object
     stop_token_ids: frozenset[int]
+    protocol: object = None  # gpu_workers.envs.episode.Protocol of a pool with data.env
+
+
+def _completion_mask(sample) -> np.ndarray:
+    """The sampled mask over a sample's completion tokens (a schema-1 batch: all of them)."""
+    if sample.sampled is None:
+        return np.ones(len(sample.completion_tokens), np.uint8)
+    return np.asarray(sample.sampled, np.uint8)
 
 
 class Validator:
@@ -103,7 +113,7 @@ class Validator:
             top_p=worker.top_p,
             max_tokens=cap,
             stop_token_ids=frozenset(),
-            max_model_len=data.max_prompt_len + cap,
+            max_model_len=sample_caps(worker, data)[1],
             sampler=worker.sampler,
             dtype=worker.dtype,
             thresholds=Thresholds(
@@ -129,6 +139,11 @@ class Validator:
                 worker.dtype,
             )
         self.tasks = tasks
+        self.env = None
+        if data.env is not None:  # a multi-turn pool: every batch is re-run in its environment
+            from gpu_workers.envs.loading import load_environment
+
+            self.env = load_environment(data.env, data.env_config)
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)
         self.store = RolloutStore.open(store)
@@ -186,6 +201,13 @@ class Validator:
             max_len=self.declared.max_model_len,
         )
         loaded = _Loaded(prefill, AutoTokenizer.from_pretrained(path), checks.stop_token_ids(path))
+        if self.env is not None:
+            from gpu_workers.envs.episode import Protocol
+
+            limits = episode_limits(self.worker, self.data)
+            loaded.protocol = Protocol.for_tokenizer(
+                self.env, loaded.tokenizer, limits, loaded.stop_token_ids, self.data.system_prompt
+            )
         self.loaded[version] = loaded
         while len(self.loaded) > self.config.cache_versions:
             old, _ = self.loaded.popitem(last=False)
@@ -249,7 +271,9 @@ class Validator:
     def _judge(self, record: BatchRecord, loaded: _Loaded, where: str) -> Verdict:
         declared = dataclasses.replace(self.declared, stop_token_ids=loaded.stop_token_ids)
         try:  # the claim's num_samples is the assignment's: the orchestrator refused any other at announcement
-            limits = ReadLimits.for_assignment(record.num_samples, declared.max_tokens, declared.max_model_len)
+            limits = ReadLimits.for_assignment(
+                record.num_samples, sample_caps(self.worker, self.data)[0], declared.max_model_len
+            )
             batch = self.store.read(
                 record.version,
                 record.batch_id,
@@ -268,16 +292,37 @@ class Validator:
                 reason=f"{where}: meta.json names node {batch.meta.node_key[:16]}... version "
                 f"{batch.meta.version}, the announcement another",
             )
+        if self.env is None and batch.sampled is not None:  # the single-turn checks would not read the mask
+            return Verdict(
+                accepted=False,
+                failed_checks=["store"],
+                num_tokens=int(len(batch.tokens)),
+                reason=f"{where}: a multi-turn batch (schema 2, a sampled mask) in a pool without data.env",
+            )
         assignment = checks.AssignedWork(
             node_key=record.node_key,
             version=record.version,
             k=record.assignment_k,
             num_tasks=len(self.tasks),
             samples_per_prompt=self.data.samples_per_prompt,
-            prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),
+            prompt_tokens_of=(  # an episode's first prompt is the episode check's (it may depend on the seed)
+                None if self.env is not None else lambda tid, target: self._prompt(loaded, record.version, tid, target)
+            ),
             length_targets=tuple(self.data.length_targets),
             num_samples=record.num_samples,
         )
+        if self.env is not None:
+            from gpu_workers.envs.episode import judge
+            from gpu_workers.episode_checks import validate_episode_batch
+
+            def rerun(sample: checks.Sample):
+                tokens = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
+                mask = np.concatenate([np.zeros(len(sample.prompt_tokens), np.uint8), _completion_mask(sample)])
+                task = self._task(sample.task_id)
+                return judge(loaded.protocol, task, sample.seed, tokens, mask, len(sample.prompt_tokens), sample.finish)
+
+            result = validate_episode_batch(samples, loaded.prefill, declared, assignment, rerun)
+            return self._verdict(result, record, batch, where)
 
         def reward(sample: checks.Sample) -> float:
             task = self._task(sample.task_id)  # check_reward turns its ValueError into a reason
@@ -292,6 +337,10 @@ class Validator:
             ).value
 
         result = checks.validate_batch(samples, loaded.prefill, declared, assignment, reward)
+        return self._verdict(result, record, batch, where)
+
+    def _verdict(self, result: checks.BatchVerdict, record: BatchRecord, batch, where: str) -> Verdict:
+        """The verdict to post from the checks' outcome."""
         failed = result.failed_checks()
         rewards = [0.0 if r is None else float(r) for r in result.rewards()]
         summary = result.summary()

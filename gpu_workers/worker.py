@@ -44,7 +44,7 @@ from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.delta import retained
 from bridge.shardcast.disk import held_manifest_sha256
 from bridge.upload import encode
-from gpu_workers.config import DataConfig, WorkerConfig, completion_cap
+from gpu_workers.config import DataConfig, WorkerConfig, completion_cap, episode_limits, sample_caps
 from gpu_workers.engine import Engine
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.rewards import sample_reward
@@ -93,6 +93,11 @@ class Worker:
         self.max_tokens = completion_cap(config, data)
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.tasks = tasks
+        self.env = self.protocol = None
+        if data.env is not None:  # a multi-turn pool: every task is played as an episode of its environment
+            from gpu_workers.envs.loading import load_environment
+
+            self.env = load_environment(data.env, data.env_config)
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)
         self.outbox = RolloutStore.open(outbox)
@@ -176,8 +181,19 @@ class Worker:
         if self.engine is None:
             from transformers import AutoTokenizer
 
-            self.engine = Engine(path, version, self.config, self.data.max_prompt_len + self.max_tokens)
+            self.engine = Engine(path, version, self.config, sample_caps(self.config, self.data)[1])
             self.tokenizer = AutoTokenizer.from_pretrained(path)
+            if self.env is not None:
+                from gpu_workers.checks import stop_token_ids
+                from gpu_workers.envs.episode import Protocol
+
+                self.protocol = Protocol.for_tokenizer(
+                    self.env,
+                    self.tokenizer,
+                    episode_limits(self.config, self.data),
+                    stop_token_ids(path),
+                    self.data.system_prompt,
+                )
         else:
             self.engine.swap(path, version)
         self._retire()
@@ -209,6 +225,8 @@ class Worker:
                 f"assignment {a.id} names task {max(task_ids)} but this worker has {len(self.tasks)} "
                 "tasks: the orchestrator's num_tasks and the worker's [data] disagree"
             )
+        if self.protocol is not None:
+            return self._build_episodes(a, task_ids)
         prompts, targets, tids, gids = [], [], [], []
         for p, tid in enumerate(task_ids):
             target = length_target(data.length_targets, a.sample_seeds[p * group])
@@ -232,20 +250,7 @@ class Worker:
             if result.reason:
                 log.info("task %d: reward %.3f (%s)", tid, result.value, result.reason)
             rewards.append(result.value)
-        meta = BatchMeta(
-            batch_id=self.batch_id(a),
-            node_key=self.node_key,
-            version=a.version,
-            assignment_id=a.id,
-            sampling={
-                "temperature": cfg.temperature,
-                "top_p": cfg.top_p,
-                "max_tokens": self.max_tokens,
-                "length_penalty": data.length_penalty,
-                "length_mode": data.length_mode,
-            },
-            model_dtype=cfg.dtype,
-        )
+        meta = self._meta(a)
         batch = RolloutBatch.from_samples(
             meta,
             tokens=[o.prompt_tokens + o.tokens for o in outs],
@@ -264,23 +269,80 @@ class Worker:
                 else None
             ),
         )
-        new_tokens = int(sum(len(o.tokens) for o in outs))
+        self._count(a, len(outs), int(sum(len(o.tokens) for o in outs)), seconds, rewards)
+        return batch
+
+    def _meta(self, a: Assignment) -> BatchMeta:
+        cfg, data = self.config, self.data
+        sampling = {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_tokens": self.max_tokens,
+            "length_penalty": data.length_penalty,
+            "length_mode": data.length_mode,
+        }
+        if self.protocol is not None:
+            limits = self.protocol.limits
+            sampling.update(env=data.env, max_turns=limits.max_turns, max_episode_tokens=limits.max_total_tokens)
+        return BatchMeta(
+            batch_id=self.batch_id(a),
+            node_key=self.node_key,
+            version=a.version,
+            assignment_id=a.id,
+            sampling=sampling,
+            model_dtype=cfg.dtype,
+        )
+
+    def _count(self, a: Assignment, samples: int, new_tokens: int, seconds: float, rewards) -> None:
         st = self.stats
         st["batches"] += 1
-        st["samples"] += len(outs)
+        st["samples"] += samples
         st["tokens"] += new_tokens
         st["generate_s"] += seconds
         st["reward_sum"] += float(sum(rewards))
         log.info(
-            "assignment %d (version %d): %d samples, %d tokens in %.2f s (%.0f tok/s), mean reward %.3f",
+            "assignment %d (version %d): %d samples, %d sampled tokens in %.2f s (%.0f tok/s), mean reward %.3f",
             a.id,
             a.version,
-            len(outs),
+            samples,
             new_tokens,
             seconds,
             new_tokens / max(seconds, 1e-9),
             float(np.mean(rewards)),
         )
+
+    def _build_episodes(self, a: Assignment, task_ids: Sequence[int]) -> RolloutBatch:
+        """The assignment's samples as episodes of the pool's environment (`play_episodes`)."""
+        cfg, group = self.config, a.samples_per_prompt
+        tids = [tid for tid in task_ids for _ in range(group)]
+        gids = [p for p in range(len(task_ids)) for _ in range(group)]
+        t0 = time.perf_counter()
+        episodes, proofs = play_episodes(
+            self.engine, self.protocol, [self.tasks[t] for t in tids], list(a.sample_seeds), cfg.temperature, cfg.top_p
+        )
+        seconds = time.perf_counter() - t0
+        for e, tid in zip(episodes, tids):
+            if e.reason:
+                log.info("task %d: episode reward %.3f after %d turns (%s)", tid, e.reward, e.turns, e.reason)
+        batch = RolloutBatch.from_samples(
+            self._meta(a),
+            tokens=[e.tokens for e in episodes],
+            prompt_lens=[e.prompt_len for e in episodes],
+            logprobs=[np.asarray(e.logprobs, np.float32) for e in episodes],
+            task_ids=tids,
+            group_ids=gids,
+            seeds=list(a.sample_seeds),
+            finish=[e.finish for e in episodes],
+            rewards=[e.reward for e in episodes],
+            proofs=proofs,
+            full_logprobs=(
+                [np.asarray(e.full_logprobs, np.float32) for e in episodes]
+                if all(e.full_logprobs is not None for e in episodes)
+                else None
+            ),
+            sampled=[e.sampled for e in episodes],
+        )
+        self._count(a, len(episodes), int(sum(sum(e.sampled) for e in episodes)), seconds, [e.reward for e in episodes])
         return batch
 
     def submit(self, a: Assignment) -> bool:
@@ -399,3 +461,31 @@ class Worker:
         leave(self.client)
         if self.engine is not None:
             self.engine.close()
+
+
+def play_episodes(engine, protocol, tasks: Sequence, seeds: Sequence[int], temperature: float, top_p: float):
+    """(rollouts, proofs) of one episode per (task, seed) (`gpu_workers.envs.episode.play`): every model turn is
+    generated by `engine` on the exact previous sequence as token ids, at its turn's seed, stopping on the
+    protocol's stop tokens; each episode's TOPLOC proofs cover the hidden states behind its sampled tokens, across
+    turns (docs/design.md section 7), as one byte string."""
+    import torch
+
+    from gpu_workers.envs.episode import play
+    from gpu_workers.toploc import build_proofs_batch
+
+    stops = sorted(protocol.stop_token_ids)
+
+    def generate(prompts, turn_seeds, caps):
+        return engine.generate(
+            prompts,
+            turn_seeds,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=caps,
+            stop_token_ids=stops,
+            hidden_only=True,
+        )
+
+    episodes = play(protocol, tasks, seeds, generate)
+    proofs = build_proofs_batch([torch.cat(e.hidden).to(torch.bfloat16) for e in episodes])
+    return episodes, [b"".join(p) for p in proofs]

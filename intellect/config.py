@@ -153,13 +153,31 @@ class Config(BaseSettings):
             f"trainer.batch_size ({self.trainer.batch_size}) must equal data.prompts_per_step "
             f"({self.data.prompts_per_step}) x data.samples_per_prompt ({self.data.samples_per_prompt}) = {batch}",
         )
-        longest = self.data.max_prompt_len + self.data.max_new_tokens
-        _require(
-            longest <= self.model.max_seq_len,
-            ("model.max_seq_len", "data.max_prompt_len", "data.max_new_tokens"),
-            f"model.max_seq_len ({self.model.max_seq_len}) is shorter than data.max_prompt_len + "
-            f"data.max_new_tokens ({longest})",
-        )
+        if self.data.env is None:
+            longest = self.data.max_prompt_len + self.data.max_new_tokens
+            _require(
+                longest <= self.model.max_seq_len,
+                ("model.max_seq_len", "data.max_prompt_len", "data.max_new_tokens"),
+                f"model.max_seq_len ({self.model.max_seq_len}) is shorter than data.max_prompt_len + "
+                f"data.max_new_tokens ({longest})",
+            )
+        else:
+            from gpu_workers.config import episode_limits
+
+            limits = episode_limits(self.worker, self.data)
+            _require(
+                limits.max_total_tokens <= self.model.max_seq_len,
+                ("model.max_seq_len", "data.max_episode_tokens", "data.max_turns"),
+                f"model.max_seq_len ({self.model.max_seq_len}) is shorter than an episode may be "
+                f"({limits.max_total_tokens} tokens: data.max_episode_tokens, or data.max_prompt_len and "
+                "data.max_turns turns at their caps)",
+            )
+            _require(
+                self.data.max_prompt_len < limits.max_total_tokens,
+                ("data.max_prompt_len", "data.max_episode_tokens"),
+                f"data.max_episode_tokens ({limits.max_total_tokens}) leaves no room for a model turn after a "
+                f"prompt of data.max_prompt_len ({self.data.max_prompt_len}) tokens",
+            )
         _require(
             self.loss.temperature == self.worker.temperature,
             ("loss.temperature", "worker.temperature"),

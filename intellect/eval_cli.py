@@ -82,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     tasks = heldout_tasks(cfg.data)
     try:
         code.prepare(tasks, cfg.data.allow_unsandboxed_code)
+        if cfg.data.env is not None:  # an environment whose tools run model-written code needs the sandbox too
+            from gpu_workers.envs.loading import load_environment, prepare
+
+            prepare(load_environment(cfg.data.env, cfg.data.env_config), cfg.data.allow_unsandboxed_code)
     except code.SandboxUnavailable as exc:
         return _fail(str(exc))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
     """The values of `cfg`'s other sections the service needs; storage: `database_url`, else
     orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db (run.dir is created)."""
-    from gpu_workers.config import completion_cap
+    from gpu_workers.config import sample_caps
     from intellect.config import rollout_store
     from orchestrator.db import sqlite_url
     from orchestrator.service import RunValues
@@ -38,15 +38,18 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         url = sqlite_url(cfg.run.db_path)
     sc = cfg.shardcast
+    # a sample's sampled tokens (a completion; an episode's model turns) and the rest (a prompt; an episode's prompt
+    # and environment turns): they size the deadline, and together bound an uploaded batch's samples
+    sampled, total = sample_caps(cfg.worker, cfg.data)
     return RunValues(
         name=cfg.run.name,
         database_url=url,
         async_level=cfg.trainer.async_level,
         prompts_per_step=cfg.data.prompts_per_step,
         samples_per_prompt=cfg.data.samples_per_prompt,
-        max_tokens=completion_cap(cfg.worker, cfg.data),
+        max_tokens=sampled,
         relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]),
-        max_prompt_len=cfg.data.max_prompt_len,
+        max_prompt_len=total - sampled,
         rollout_store=rollout_store(cfg, "ingest") if cfg.ingest.in_process else None,
     )
 

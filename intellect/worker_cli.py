@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     tasks = training_tasks(cfg.data)
     try:  # before anything heavy: a node that cannot run its tasks' rewards safely says so at once
         code.prepare(tasks, cfg.data.allow_unsandboxed_code)
+        if cfg.data.env is not None:  # an environment whose tools run model-written code needs the sandbox too
+            from gpu_workers.envs.loading import load_environment, prepare
+
+            prepare(load_environment(cfg.data.env, cfg.data.env_config), cfg.data.allow_unsandboxed_code)
     except code.SandboxUnavailable as err:
         print(f"intellect worker: {err}", file=sys.stderr)
         return 2

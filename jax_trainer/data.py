@@ -393,6 +393,7 @@ class RolloutPipeline:
                         groups + int(local[i]),
                         int(b.meta.version),
                         f"{name}#{i}",
+                        None if b.sampled is None else b.sample_mask(i),  # a multi-turn episode's model turns
                     )
                 )
             groups += int(local.max()) + 1

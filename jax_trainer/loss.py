@@ -1,11 +1,13 @@
 """The policy loss: token logprobs in chunks, the GRPO / GSPO / CISPO objectives, mismatch corrections, aggregation.
 
-Notation, per completion token t of sample i with advantage A_i: lp_t = log pi_theta(t) (the learner, at
-`loss.temperature`), old_t = log pi_old(t) (the learner's own logprob at the start of the step, INTELLECT-2,
-or the inference engine's: `logprob_source`), inf_t = the engine's logprob of the sampled token, on the full
-distribution at the sampling temperature (the rollout batch's `full_logprobs` where a worker recorded them:
-vLLM's processed logprobs are renormalised over the top-p nucleus, so a ratio against them would be biased by
-the kept mass; see docs/rollouts.md), and r_t = exp(lp_t - old_t).
+Notation, per sampled token t of sample i with advantage A_i (the loss mask: a single-turn sample's completion
+tokens; a multi-turn episode's model turns only, never its prompt or the environment's tokens between turns, which
+are context the policy did not choose: docs/learner.md, "Multi-turn episodes"): lp_t = log pi_theta(t) (the learner,
+at `loss.temperature`), old_t = log pi_old(t) (the learner's own logprob at the start of the step, INTELLECT-2, or
+the inference engine's: `logprob_source`), inf_t = the engine's logprob of the sampled token, on the full
+distribution at the sampling temperature (the rollout batch's `full_logprobs` where a worker recorded them: vLLM's
+processed logprobs are renormalised over the top-p nucleus, so a ratio against them would be biased by the kept
+mass; see docs/rollouts.md), and r_t = exp(lp_t - old_t).
 
 Token objective, `loss.policy_loss`:
 
@@ -39,7 +41,8 @@ nothing is ever dropped or reweighted.
 
 Each token's loss is l_t = pg_t + kl_coef * k3_t - entropy_coef * H_t, with k3 = exp(ref - lp) - (ref - lp) - 1
 (Schulman's unbiased, positive KL estimator; its gradient flows). The batch loss is sum_t w_t * l_t / D over
-the optimizer step's kept tokens (mask times the mismatch mask), with n_i = the kept tokens of sample i,
+the optimizer step's kept tokens (the loss mask, i.e. the sampled tokens, times the mismatch mask), with n_i =
+the kept sampled tokens of sample i (an episode's model turns together, its environment tokens never counted),
 N = the samples with at least one kept token, and `aggregation`:
 
     token_mean                 w_t = 1              D = kept tokens        every token counts the same (DAPO)
@@ -50,7 +53,10 @@ N = the samples with at least one kept token, and `aggregation`:
                                                                             constant max length C, mean over
                                                                             samples (Dr. GRPO: no length bias)
 
-C is `constant_normalizer`. D depends on the whole step's masks, so `policy_loss` returns the numerator of one
+C is `constant_normalizer`. Every statistic is over sampled tokens alone: the importance ratios, the mismatch
+masks (token_mask per sampled token; seq_mask's sum and geo_mask's mean over the sample's sampled tokens), the
+GSPO sequence ratio (the geometric mean over kept sampled tokens), the KL and entropy terms and their metrics.
+D depends on the whole step's masks, so `policy_loss` returns the numerator of one
 micro-batch with the counts D is made of, and `loss_denominator` turns the step's summed counts into D (the
 train step divides the accumulated loss and gradients by it; `batch_loss` does both for one micro-batch).
 Logprobs come from `token_logprobs`, which applies the LM head chunk by chunk along the sequence with a

@@ -10,10 +10,10 @@ a `PackedBatch` of numpy arrays, all aligned with `tokens`:
 | `tokens` | int32 | token ids; 0 on padding |
 | `positions` | int32 | position inside its own sample (RoPE restarts at every sample) |
 | `segment_ids` | int32 | 1, 2, ... per sample inside a row; 0 = padding (attention never crosses segments) |
-| `loss_mask` | float32 | 1 on completion tokens, the tokens the policy is trained on |
-| `advantages` | float32 | the sample's advantage on each of its completion tokens |
-| `inference_logprobs` | float32 | the worker's logprob of each completion token (0 elsewhere) |
-| `completion_lens` | float32 | the completion length of the token's sample (for per-sequence means) |
+| `loss_mask` | float32 | 1 on the tokens trained on, the sampled ones: a completion; an episode's model turns |
+| `advantages` | float32 | the sample's advantage on each of its sampled tokens |
+| `inference_logprobs` | float32 | the worker's logprob of each sampled token (0 elsewhere) |
+| `completion_lens` | float32 | the number of sampled tokens of the token's sample (for per-sequence means) |
 
 Token t's logprob comes from the logits at t-1, so the loss reads `loss_mask[:, 1:]` against `logits[:, :-1]`;
 a sample's first token is a prompt token, so no completion token is ever predicted across a boundary.
@@ -44,10 +44,19 @@ class Sample:
     version: int  # policy version that generated it
     reward: float = 0.0
     name: str = ""  # where it came from (batch id and index), for error messages
+    sampled: np.ndarray | None = None  # uint8 [n]: 1 on the tokens the model sampled (None: every completion token)
 
     @property
     def completion_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def loss_mask(self) -> np.ndarray:
+        """float32 [n]: 1 on the tokens trained on (`sampled`; else every token after the prompt)."""
+        if self.sampled is not None:
+            return np.asarray(self.sampled, np.float32)
+        mask = np.zeros(len(self.tokens), np.float32)
+        mask[self.prompt_len :] = 1.0
+        return mask
 
 
 @dataclasses.dataclass
@@ -83,13 +92,22 @@ def _check(sample: Sample, i: int, seq_len: int, truncate: bool) -> Sample:
         raise PackingError(f"{where}: {n} tokens but {len(sample.logprobs)} logprobs")
     if not 1 <= sample.prompt_len < n:
         raise PackingError(f"{where}: prompt_len {sample.prompt_len} must be in [1, {n}) (a completion is required)")
+    if sample.sampled is not None:
+        mask = np.asarray(sample.sampled)
+        if len(mask) != n or np.any(mask[: sample.prompt_len] != 0) or not np.any(mask):
+            raise PackingError(f"{where}: the sampled mask must hold {n} values, 0 on the prompt, and a 1")
     if n > seq_len:
         if not truncate or sample.prompt_len >= seq_len:
             raise PackingError(
                 f"{where}: {n} tokens ({sample.prompt_len} prompt) do not fit in seq_len {seq_len}"
                 + ("" if truncate else "; raise trainer.seq_len or enable truncation")
             )
-        sample = dataclasses.replace(sample, tokens=sample.tokens[:seq_len], logprobs=sample.logprobs[:seq_len])
+        sample = dataclasses.replace(
+            sample,
+            tokens=sample.tokens[:seq_len],
+            logprobs=sample.logprobs[:seq_len],
+            sampled=None if sample.sampled is None else np.asarray(sample.sampled)[:seq_len],
+        )
     return sample
 
 
@@ -144,15 +162,16 @@ def pack(
         pos = 0
         for seg, i in enumerate(members, start=1):
             s = samples[i]
-            n, p = len(s.tokens), s.prompt_len
+            n = len(s.tokens)
             sl = slice(pos, pos + n)
             out["tokens"][r, sl] = s.tokens
             out["positions"][r, sl] = np.arange(n)
             out["segment_ids"][r, sl] = seg
-            out["loss_mask"][r, pos + p : pos + n] = 1.0
-            out["advantages"][r, pos + p : pos + n] = s.advantage
-            out["inference_logprobs"][r, pos + p : pos + n] = s.logprobs[p:]
-            out["completion_lens"][r, sl] = n - p
+            mask = s.loss_mask()
+            out["loss_mask"][r, sl] = mask
+            out["advantages"][r, sl] = s.advantage * mask
+            out["inference_logprobs"][r, sl] = np.where(mask > 0, s.logprobs, 0.0)
+            out["completion_lens"][r, sl] = mask.sum()
             pos += n
     arrays = {k: v.reshape(micro, rows, seq_len) for k, v in out.items()}
     return PackedBatch(**arrays, versions=[s.version for s in samples], num_samples=len(samples))

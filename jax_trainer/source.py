@@ -49,6 +49,8 @@ class Rollout:
     group: int
     version: int
     name: str = ""
+    sampled: np.ndarray | None = None
+    """uint8 [n]: 1 on the tokens the model sampled (a multi-turn episode's model turns; None: the completion)."""
 
 
 def build_step_batch(
@@ -71,7 +73,7 @@ def build_step_batch(
         drop_zero_groups=drop_zero_groups,
     )
     samples = [
-        Sample(r.tokens, r.prompt_len, r.logprobs, float(a), r.version, r.reward, r.name)
+        Sample(r.tokens, r.prompt_len, r.logprobs, float(a), r.version, r.reward, r.name, r.sampled)
         for r, a, k in zip(rollouts, adv.values, adv.keep)
         if k
     ]

@@ -1,4 +1,4 @@
-"""Rollout store (bridge/rollouts.py): layout, canonical digest, validation, commit protocol, listing, pruning.
+"""Rollout store (bridge/rollouts/): layout, canonical digest, validation, commit protocol, listing, pruning.
 
 References: the batches are built here from per-sample numpy data, the digest is recomputed here from the
 definition in the module docstring (one concatenated byte string, no parallel hashing), and stored arrays are
@@ -331,7 +331,7 @@ def test_reader_validates_batches_from_a_writer_that_skipped_the_checks(
     mem_store: RolloutStore, monkeypatch, case: str
 ):
     """A hostile worker can commit a batch whose hash matches; the reader's own checks still refuse it."""
-    monkeypatch.setattr(rollouts, "check_batch", lambda batch, vocab_size=None: None)
+    monkeypatch.setattr(rollouts.store, "check_batch", lambda batch, vocab_size=None: None)  # the writer's
     mem_store.write(INVALID[case])
     monkeypatch.undo()
     with pytest.raises(RolloutStoreError, match=rf"^rollout batch v000003/b-1: {case.split(':')[0]}: "):

@@ -108,4 +108,5 @@ def test_refusals_name_the_field():
 def test_the_longest_stream_bounds_every_batch_within_the_limits():
     limits = ReadLimits.for_assignment(4, 64, 80)
     assert encode(batch())[0] <= max_stream_length(limits)
-    assert max_stream_length(limits) < 4 * 80 * 12 + 4 * 2 * 258 + (1 << 16) + 200 + 4 * 60
+    # 13 bytes per token: tokens, logprobs, full_logprobs and (schema 2) the sampled mask
+    assert max_stream_length(limits) < 4 * 80 * 13 + 4 * 2 * 258 + (1 << 16) + 200 + 4 * 60

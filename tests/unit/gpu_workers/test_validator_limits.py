@@ -18,6 +18,7 @@ import logging
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -506,3 +507,31 @@ def test_the_verdict_names_the_device_that_judged_it(validator, tokenizer, monke
     assert replayed_on == [expected] and len(validator.client.posted) == 1
     assert f"(judged on {expected})" in caplog.text
     assert validator._metrics()[f"batches_on_{expected}"] == 1
+
+
+def test_a_multi_turn_batch_in_a_single_turn_pool_is_refused_without_prefill(validator, tokenizer):
+    """Attack: a schema-2 batch (a sampled mask that calls some completion tokens the environment's) sent to a
+    pool without data.env, whose checks would not read the mask. Defence: a store rejection naming it."""
+    honest = assigned_batch(tokenizer, batch_id="mask")
+    masks = [
+        np.r_[np.zeros(p), np.ones(len(honest.sample_tokens(i)) - p)].astype(np.uint8)
+        for i, p in enumerate(honest.prompt_lens)
+    ]
+    batch = RolloutBatch.from_samples(
+        honest.meta,
+        tokens=[honest.sample_tokens(i) for i in range(honest.num_samples)],
+        prompt_lens=honest.prompt_lens,
+        logprobs=[honest.sample_logprobs(i) for i in range(honest.num_samples)],
+        task_ids=honest.task_ids,
+        group_ids=honest.group_ids,
+        seeds=honest.seeds,
+        finish=honest.finish,
+        rewards=honest.rewards,
+        proofs=[honest.sample_proof(i) for i in range(honest.num_samples)],
+        sampled=masks,
+    )
+    assert batch.schema == 2
+    verdict = validator.judge(_announce(validator, batch))
+    assert not verdict.accepted and verdict.failed_checks == ["store"], verdict
+    assert "a multi-turn batch (schema 2, a sampled mask) in a pool without data.env" in verdict.reason
+    assert validator.loaded[VERSION].prefill.samples == 0

@@ -116,6 +116,10 @@ def non_default_config(tmp_path: Path) -> Config:
     d.update(task="reasoning_gym", generator="letter_counting", generator_config={"min_words": 4})
     d.pop("path")
     fixed.add("data.path")
+    # single-turn: a multi-turn pool (data.env, which refuses length targets) is checked on its own in
+    # tests/unit/gpu_workers/test_episodes.py; its limits and env_config here still differ from their defaults
+    d.pop("env")
+    fixed.add("data.env")
     loss["delta"] = 1 + loss["eps_high"] + 1.5
     if loss["policy_loss"] == "dr_grpo":  # the Dr. GRPO preset fixes these two (both still non-default)
         loss.update(aggregation="seq_mean_token_sum_norm", std_normalize=False)
