@@ -171,6 +171,20 @@ def upload(url: str, key, a, batch: RolloutBatch, sha: str | None = None, batch_
     return upload_batch(url, key, a.id, batch_id or batch.meta.batch_id, sha or digest_of(batch), length, pieces)
 
 
+def signed_stream(key, a, batch: RolloutBatch) -> tuple[bytes, bytes]:
+    """A signed upload's request head and its whole body, for tests that send them by hand, piece by piece."""
+    sha = digest_of(batch)
+    length, pieces = encode(batch)
+    target = f"/v1/uploads/{a.id}/{batch.meta.batch_id}"
+    headers = {
+        "Content-Length": str(length),
+        "X-Batch-Sha256": sha,
+        **sign_request(key, "PUT", target, b"", body_sha256=sha),
+    }
+    head = f"PUT {target} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+    return head.encode(), b"".join(bytes(piece) for piece in pieces)
+
+
 def refused(call) -> OrchestratorError:
     with pytest.raises(OrchestratorError) as info:
         call()
@@ -338,21 +352,12 @@ def test_slow_loris_gets_408_and_its_slot_back(pool, s3):
     key, node, client = pool.worker("slow")
     a = pool.assignment(client)
     batch = make_batch(node, a, seed=5)
-    sha = digest_of(batch)
-    length, pieces = encode(batch)
-    stream = b"".join(bytes(p) for p in pieces)
-    target = f"/v1/uploads/{a.id}/{batch.meta.batch_id}"
+    head, stream = signed_stream(key, a, batch)
     before = s3.snapshot()
     host, port = pool.ingest_url.removeprefix("http://").split(":")
-    headers = {
-        "Content-Length": str(length),
-        "X-Batch-Sha256": sha,
-        **sign_request(key, "PUT", target, b"", body_sha256=sha),
-    }
-    head = f"PUT {target} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
     start = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(head.encode() + stream[:10])
+        sock.sendall(head + stream[:10])
         time.sleep(0.5)
         # meanwhile the same assignment through the other endpoint: its upload is in progress (retry later)
         err = refused(lambda: upload(pool.url, key, a, batch))
@@ -546,20 +551,11 @@ def test_an_upload_whose_reservation_a_restart_lost_is_sent_again(tmp_path, s3):
         key, node, client = p.worker("patient")
         a = p.assignment(client)
         batch = make_batch(node, a, seed=11)
-        sha = digest_of(batch)
-        length, pieces = encode(batch)
-        stream = b"".join(bytes(piece) for piece in pieces)
-        target = f"/v1/uploads/{a.id}/{batch.meta.batch_id}"
-        headers = {
-            "Content-Length": str(length),
-            "X-Batch-Sha256": sha,
-            **sign_request(key, "PUT", target, b"", body_sha256=sha),
-        }
-        head = f"PUT {target} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        head, stream = signed_stream(key, a, batch)
         before = s3.snapshot()
         host, port = p.ingest_url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(head.encode() + stream[:10])
+            sock.sendall(head + stream[:10])
             time.sleep(0.5)  # admitted: the reservation is held by this orchestrator process
             p.orchestrator.stop()
             p.orchestrator.start()
