@@ -276,6 +276,8 @@ class AssignedWork:
     (`gpu_workers.tasks.length_target`). Empty: every target_len must be 0."""
     num_samples: int | None = None
     """The assignment's sample count (prompts x samples_per_prompt; None: any multiple of samples_per_prompt)."""
+    salt: str | None = None
+    """The orchestrator's salt of the assignment's draws (None: the unsalted protocol-1 draws)."""
 
 
 def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
@@ -937,9 +939,10 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
         )
     if n == 0 or n % group:
         return CheckVerdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
-    prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks, n // group)
+    key, version, k, salt = assignment.node_key, assignment.version, assignment.k, assignment.salt
+    prompts = assigned_task_ids(key, version, k, assignment.num_tasks, n // group, salt)
     expected_tasks = np.repeat(prompts, group)
-    expected_seeds = assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n)
+    expected_seeds = assigned_sample_seeds(key, version, k, n, salt)
     ids = [s.task_id for s in samples]  # Python ints: a batch's values are compared, never used as indices
     tasks = np.array([t if 0 <= t < assignment.num_tasks else -1 for t in ids], dtype=np.int64)
     group_ids = [s.group_id for s in samples]

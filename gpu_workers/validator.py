@@ -277,6 +277,7 @@ class Validator:
             prompt_tokens_of=lambda tid, target: self._prompt(loaded, record.version, tid, target),
             length_targets=tuple(self.data.length_targets),
             num_samples=record.num_samples,
+            salt=record.assignment_salt,
         )
 
         def reward(sample: checks.Sample) -> float:
