@@ -86,6 +86,10 @@ class BatchVerdict:
 
     samples: tuple[SampleVerdict, ...]
     batch_checks: tuple[CheckVerdict, ...] = ()
+    logprobs: tuple[np.ndarray | None, ...] = ()
+    """Per sample, the validator's logprob of each completion token on the full distribution at the declared
+    temperature, from its prefill's logits (float32; None where no prefill ran): what the learner may take in
+    place of the worker's claim (`bridge.validator_logprobs`)."""
 
     @property
     def accepted(self) -> bool:
@@ -1032,6 +1036,7 @@ def validate_batch(
         for s in samples
     ]
     failed = _failed_cheap_check(batch_checks, verdicts)  # the batch is rejected already: no prefill
+    logprobs: list[np.ndarray | None] = [None] * len(samples)
     runnable = []
     for i, s in enumerate(samples):
         problem = None if failed else _unscorable(s, prefill.vocab_size)
@@ -1065,6 +1070,8 @@ def validate_batch(
         )
         for i, *checked in zip(part, computation, sampling):
             verdicts[i] += checked
+        for i, result in zip(part, results):
+            logprobs[i] = _full_logprobs(result.logits, samples[i].completion_tokens, declared.temperature)
         if declared.sampler == "replayable":
             replayed = check_replay_batch(
                 [(samples[i].completion_tokens, result.logits, samples[i].seed) for i, result in zip(part, results)],
@@ -1083,7 +1090,20 @@ def validate_batch(
     if reward_fn is not None:
         for i, s in enumerate(samples):
             verdicts[i].append(check_reward(s, reward_fn))
-    return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
+    sample_verdicts = tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts))
+    return BatchVerdict(sample_verdicts, batch_checks, tuple(logprobs))
+
+
+def _full_logprobs(logits, tokens: np.ndarray, temperature: float) -> np.ndarray | None:
+    """log softmax(logits / T) at each token (float32), or None for logits that do not fit the tokens (the
+    checks have rejected such a sample already)."""
+    import torch
+
+    z = torch.as_tensor(logits).float()
+    if z.ndim != 2 or z.shape[0] != len(tokens) or len(tokens) == 0:
+        return None
+    rows = torch.arange(len(tokens))
+    return torch.log_softmax(z / temperature, dim=-1)[rows, torch.as_tensor(tokens)].numpy()
 
 
 def _failed_cheap_check(batch_checks: Sequence[CheckVerdict], verdicts: Sequence[Sequence[CheckVerdict]]) -> str | None:

@@ -10,6 +10,11 @@ check of `gpu_workers.checks` against what the pool prescribes, never against wh
 - reward: recomputed with the same reward code the worker ran; the verdict carries the recomputed rewards,
   which are what the learner trains on.
 
+Of an accepted batch the validator also writes the logprobs its prefill recomputed beside the batch
+(`bridge.validator_logprobs`: each completion token's logprob on the full distribution at the pool's
+temperature) and puts their digest in its verdict: the learner divides its ratios by these, not by the
+worker's claim, which the sampling check can bound only to the engines' rounding.
+
 The prefill, and the replay check on its logits, run on `[validator] device` ("auto": the first CUDA device
 torch sees, else the CPU); the log line of every verdict and the heartbeat's `batches_on_<device>` say which
 device judged.
@@ -51,6 +56,7 @@ from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
+from bridge.validator_logprobs import flat_logprobs, write_validator_logprobs
 from gpu_workers import checks
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
@@ -310,7 +316,14 @@ class Validator:
             near_tie_cost=float(ledger.get("near_tie_cost", 0.0)), near_tie_tokens=int(ledger.get("tokens", 0))
         )
         if result.accepted:
-            return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)), **near_ties)
+            values = flat_logprobs(batch, result.logprobs)  # every sample of an accepted batch was prefilled
+            try:
+                digest = write_validator_logprobs(self.store, batch, record.sha256, values)
+            except RolloutStoreError as err:  # the store's trouble, not the batch's: no verdict, the lease lapses
+                raise OSError(f"{where}: cannot write the validator's logprobs: {err}") from err
+            return Verdict(
+                accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)), logprobs_sha256=digest, **near_ties
+            )
         return Verdict(
             accepted=False,
             failed_checks=sorted(failed),
