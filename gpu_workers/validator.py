@@ -58,6 +58,7 @@ from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
 from bridge.validator_logprobs import flat_logprobs, write_validator_logprobs
 from gpu_workers import checks
+from gpu_workers.calibration import CalibrationError, calibration_problem, needs_calibration
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.prefill import resolve_device
@@ -92,6 +93,7 @@ class Validator:
         shardcast: ShardcastConfig,
         tasks: TaskDataset,
         *,
+        model_dir: Path | None = None,
         key_path: Path,
         weights_dir: Path,
         store: str,
@@ -101,7 +103,12 @@ class Validator:
     ):
         """`config`: this validator's section; `worker`: the pool's sampling (temperature, top_p, max_tokens,
         sampler, dtype) that batches are held to; `data`: the pool's group size, lengths, length rewards and
-        system prompt; `shardcast`: how weights are fetched. Resolved locations as for `Worker`."""
+        system prompt; `shardcast`: how weights are fetched; `model_dir`: the pool's base model (`model.path`),
+        which a bfloat16/float16 replay pool's calibration must name (`CalibrationError` otherwise, before
+        anything starts). Resolved locations as for `Worker`."""
+        problem = calibration_problem(config, worker, model_dir)
+        if problem is not None:
+            raise CalibrationError(problem)
         self.config, self.worker, self.data, self.shardcast = config, worker, data, shardcast
         cap = completion_cap(worker, data)
         self.declared = checks.Declared(  # the stop tokens are each version's own (`_judge`)
@@ -126,14 +133,23 @@ class Validator:
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.device = resolve_device(config.device)  # a GPU that is not there stops the validator here
         log.info("judging on %s (validator.device = %s)", self.device, config.device)
-        if worker.dtype != "float32" and worker.sampler == "replayable" and config.replay_logit_tolerance is None:
-            log.warning(
-                "validator.replay_logit_tolerance, tie_logit_tolerance and max_logprob_diff are the %s defaults: "
-                "a trained policy's honest workers may exceed them and a near-tie cheater has room within them; "
-                "measure the pool's model with benchmarks/replay_margin.py and set what it prints "
-                "(docs/verifiable-sampling.md, 'Calibrating a pool')",
+        if not needs_calibration(worker):
+            log.info(
+                "a %s pool with the %s sampler: no calibration needed (float32 engines leave no near ties to "
+                "price; vLLM's own sampler is replayed by nobody)",
                 worker.dtype,
+                worker.sampler,
             )
+        elif config.allow_uncalibrated:
+            log.warning(
+                "validator.allow_uncalibrated: judging a %s replay pool with%s calibration of its model: a trained "
+                "policy's honest workers may exceed the dtype's defaults and a near-tie cheater has room within "
+                "them; run `intellect calibrate CONFIG` (docs/verifiable-sampling.md, 'Calibrating a pool')",
+                worker.dtype,
+                "out a" if config.calibrated_model is None else " an unchecked",
+            )
+        else:
+            log.info("calibrated for model %s... in %s", config.calibrated_model[:16], worker.dtype)
         self.tasks = tasks
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)

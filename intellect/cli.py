@@ -60,6 +60,12 @@ COMMANDS = (
         "orchestrator", "the coordination service (HTTP API)", module="intellect.orchestrator_cli", takes_config=True
     ),
     Command(
+        "calibrate",
+        "measure a bf16/fp16 replay pool's model: its validator tolerances and near-tie ledger",
+        module="intellect.calibrate_cli",
+        takes_config=True,
+    ),
+    Command(
         "shardcast", "weight broadcast: origin, relay or fetch", module="intellect.shardcast_cli", takes_config=True
     ),
     Command(

@@ -55,6 +55,23 @@ def test_later_sources_override_key_by_key(tmp_path):
     assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.run.name) == (1e-5, 9, "from-flag")
 
 
+def test_included_files_come_first_and_the_including_file_wins(tmp_path):
+    """A recipe takes its calibration (a fragment `intellect calibrate` writes) with `include`."""
+    fragment = tmp_path / "calibration.toml"
+    fragment.write_text("[validator]\nreplay_logit_tolerance = 0.35\n\n[orchestrator]\nnear_tie_rate = 0.0024\n")
+    recipe = write(tmp_path, f'include = ["{fragment}"]\n\n[orchestrator]\nnear_tie_rate = 0.003\n')
+    cfg = load_config(recipe, env={})
+    assert (cfg.validator.replay_logit_tolerance, cfg.orchestrator.near_tie_rate) == (0.35, 0.003)
+    fragment.write_text("[validator]\nreplay_logit_tolerance = -1\n")  # an error names the included file
+    assert str(fragment) in error_of(recipe)
+    fragment.write_text(f'include = "{recipe}"\n')
+    assert "includes itself" in error_of(recipe)
+    recipe.write_text(f'include = ["{tmp_path / "missing.toml"}"]\n')
+    assert "missing.toml" in error_of(recipe) and f"included by {recipe}" in error_of(recipe)
+    recipe.write_text("include = [1]\n")
+    assert "must be a path or a list of paths" in error_of(recipe)
+
+
 def test_env_defaults_to_os_environ(monkeypatch):
     monkeypatch.setenv("INTELLECT_OPTIM__LR", "1e-6")
     assert load_config(None).optim.lr == 1e-6
