@@ -20,7 +20,11 @@ accepted batches' near-tie cost over RATE x their tokens + SLACK, and the cheate
 than what its allowance has left (the honest batches are held to their own ledger alike). `--peak` scales the
 policy's final norm (its logits) to make a peaked policy; `--tolerance` sets the replay's
 logit tolerance (`[validator] replay_logit_tolerance`; default: the dtype's), `--near-ties` the budgets as
-`per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names).
+`per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names). `--calibration FILE`
+takes every setting a calibrated pool gets from what `intellect calibrate` wrote (its `[validator]` tolerances
+and `[orchestrator]` ledger); a flag given beside it wins. `--dump FILE` writes, per batch, what a ledger's
+outcome depends on (each honest sample's reward, near-tie cost and tokens; each candidate swap's), for
+`benchmarks/near_tie_ledger.py` to replay the cheater and honest workers under other ledger rates offline.
 
     .venv/bin/python benchmarks/near_tie_cheater.py --model runs/demo/sft --batches 8 [--tolerance 0.4]
 """
@@ -72,7 +76,19 @@ def main() -> int:
     p.add_argument("--near-ties", default=None, help="per_sample,per_token,per_batch_token budgets")
     p.add_argument("--digits", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration", type=Path, default=None, help="what `intellect calibrate` wrote")
+    p.add_argument("--dump", type=Path, default=None, help="write per-batch costs and candidates here (JSON)")
     args = p.parse_args()
+    if args.calibration is not None:  # the settings a calibrated pool runs with; flags given beside win
+        import tomllib
+
+        written = tomllib.loads(args.calibration.read_text())
+        v, o = written.get("validator", {}), written.get("orchestrator", {})
+        args.tolerance = args.tolerance if args.tolerance is not None else v.get("replay_logit_tolerance")
+        args.tie = args.tie if args.tie is not None else v.get("tie_logit_tolerance")
+        args.logprob = args.logprob if args.logprob is not None else v.get("max_logprob_diff")
+        if args.ledger is None and o.get("near_tie_rate") is not None:
+            args.ledger = f"{o['near_tie_rate']},{o.get('near_tie_slack', 2.0)}"
 
     import torch
     from transformers import AutoTokenizer
@@ -173,6 +189,7 @@ def main() -> int:
     honest_rewards: list[float] = []
     cheat_rewards: list[float] = []
     fixable = 0
+    dumped: list[dict] = []
     try:
         for b in range(args.batches):
             batch_tasks = [tasks[b * args.prompts + i] for i in range(args.prompts) for _ in range(args.group)]
@@ -219,6 +236,18 @@ def main() -> int:
                 if rv.passed:
                     candidates.append((rv.numbers["near_tie_cost"], i, rv, result))
             fixable += len(candidates)
+            dumped.append(
+                {
+                    "rewards": rewards,
+                    "cost": [v.numbers["near_tie_cost"] for v in replays],
+                    "tokens": [v.numbers["tokens"] for v in replays],
+                    "honest_accepted": bool(verdict.accepted),
+                    "candidates": [
+                        [i, rv.numbers["near_tie_cost"], rv.numbers["tokens"], int(rv.numbers["near_ties"])]
+                        for _, i, rv, _ in candidates
+                    ],
+                }
+            )
             samples = list(honest)
             chosen = 0
             for _, i, rv, result in sorted(candidates, key=lambda c: c[0]):
@@ -256,6 +285,7 @@ def main() -> int:
         "dtype": args.dtype,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "calibration": str(args.calibration) if args.calibration else None,
         "replay_logit_tolerance": args.tolerance,
         "tie_logit_tolerance": args.tie,
         "max_logprob_diff": args.logprob,
@@ -281,6 +311,9 @@ def main() -> int:
         "choices_share_of_tokens": round(totals["choices"] / max(totals["tokens"], 1), 4),
         "seconds": round(time.monotonic() - started, 1),
     }
+    if args.dump is not None:
+        settings = {k: report[k] for k in ("replay_logit_tolerance", "tie_logit_tolerance", "near_ties", "ledger")}
+        args.dump.write_text(json.dumps({"settings": settings, "batches": dumped}))
     print(json.dumps(report))
     return 0
 
