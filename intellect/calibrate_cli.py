@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             rate_safety=args.rate_safety,
             progress=bar,
         )
-    command = " ".join(["intellect calibrate", *map(str, [args.config or "", *args.overrides])])
+    command = " ".join(map(str, ["intellect calibrate", args.config or "", "--model", model, *args.overrides]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(fragment(cal, digest, command))
     _print_table(cal, out, bar.console)
