@@ -10,7 +10,9 @@ swaps in every answer that passes its sample's checks while the batch still pass
 is then judged by `validate_batch` with the reward check, as `intellect validator` does; the honest batch too.
 
 Reported per run: the honest and the cheater's batches accepted, the mean reward of the honest samples and of
-the cheater's (accepted batches only: a rejected batch trains nothing), the gain in points, the samples swapped
+the cheater's (accepted batches only: a rejected batch trains nothing), the gain in points (and the gain over
+the honest samples of the same batches, which leaves out which batches the ledger happened to reject), the
+cheater's strikes (batches the validator accepted and the ledger rejected), the samples swapped
 and the near-tie choices bought, as a share of the batches' tokens; and the honest batches' own near ties (their
 share of tokens, cost per token, and largest gap as a share of the margin), the rate the budgets must allow.
 
@@ -182,12 +184,12 @@ def main() -> int:
             seed=seed,
         )
 
-    totals = dict.fromkeys(
-        ("honest_accepted", "cheat_accepted", "samples", "swapped", "choices", "tokens", "honest_near_ties"), 0
-    )
+    counted = ("honest_accepted", "cheat_accepted", "samples", "swapped", "choices", "tokens", "honest_near_ties")
+    totals = dict.fromkeys((*counted, "cheat_strikes"), 0)
     totals.update(honest_cost=0.0, honest_tokens=0, honest_worst_gap=0.0)
     honest_rewards: list[float] = []
     cheat_rewards: list[float] = []
+    matched_rewards: list[float] = []  # the honest samples of the batches whose cheated version was accepted
     fixable = 0
     dumped: list[dict] = []
     try:
@@ -268,6 +270,9 @@ def main() -> int:
             totals["tokens"] += tokens
             if cheat_ok:
                 cheat_rewards += [r if r is not None else 0.0 for r in cheat.rewards()]
+                matched_rewards += rewards
+            elif cheat.accepted:  # the validator took it, the orchestrator's ledger did not: a strike
+                totals["cheat_strikes"] += 1
             print(
                 f"batch {b}: honest {'accepted' if honest_ok else 'REJECTED'} reward "
                 f"{np.mean(rewards):.3f}; cheat {'accepted' if cheat_ok else 'REJECTED'} reward "
@@ -301,6 +306,10 @@ def main() -> int:
         "honest_reward": round(honest_mean, 4),
         "cheat_reward": round(cheat_mean, 4),
         "gain_points": round(100 * (cheat_mean - honest_mean), 2),
+        "matched_gain_points": round(100 * (cheat_mean - float(np.mean(matched_rewards))), 2)
+        if matched_rewards
+        else None,
+        "cheat_ledger_strikes": totals["cheat_strikes"],
         "honest_near_ties": totals["honest_near_ties"],
         "honest_near_ties_share_of_tokens": round(totals["honest_near_ties"] / max(totals["honest_tokens"], 1), 4),
         "honest_near_tie_cost_per_token": round(totals["honest_cost"] / max(totals["honest_tokens"], 1), 5),

@@ -7,7 +7,9 @@ this replays, for each ledger (`[orchestrator] near_tie_rate`, `near_tie_slack`)
 cheater does (cheapest swap first, while the batch stays within its per-batch budget and the worker's accepted
 batches within rate x tokens + slack) and what honest workers' ledgers do:
 
-- the cheater's gain: the mean reward of its accepted batches minus the honest samples' mean, in points;
+- the cheater's gain: the mean reward of its accepted batches minus the honest samples' mean, in points (and
+  minus the honest mean of the same batches), and its strikes (batches the ledger rejected: three within an hour
+  ban the key); besides, the cheater that keeps just enough of its allowance unspent to take no strike;
 - honest strikes: a worker whose engines round as the measured honest ones do, and whose pool was calibrated
   from `--calibration-batches` honest batches (`intellect calibrate`'s default: 2,048 samples in the pool's
   batches of 64), sends `--life` batches; the ledger turns each batch that would take it over its allowance into
@@ -41,10 +43,16 @@ def _batch_ok(cost: float, tokens: int, budgets) -> bool:
     return cost <= max(per_sample, per_batch_token * tokens)
 
 
-def cheat(batches: list[dict], rate: float, slack: float, budgets) -> dict:
-    """The online cheater of near_tie_cheater.py replayed under the ledger (rate, slack)."""
+def cheat(batches: list[dict], rate: float, slack: float, budgets, reserve: float = 0.0) -> dict:
+    """The online cheater of near_tie_cheater.py replayed under the ledger (rate, slack), keeping `reserve` of its
+    allowance unspent (0: it spends to the limit, as the online one does).
+
+    `gain_points`: its accepted batches' mean reward minus every honest sample's (near_tie_cheater.py's figure);
+    `matched_gain_points`: minus the honest samples of the same batches (a rejected batch trains nothing either
+    way); `strikes`: its batches the ledger rejected (each a strike: `ban_after_rejections` of them within
+    `rejection_window_s` ban the key)."""
     spent, judged = 0.0, 0
-    honest_rewards, cheat_rewards, swapped = [], [], 0
+    honest_rewards, cheat_rewards, matched, swapped, strikes = [], [], [], 0, 0
     for b in batches:
         honest_rewards += b["rewards"]
         if not b["honest_accepted"]:  # its honest samples fail the validator: so does every version of the batch
@@ -54,15 +62,34 @@ def cheat(batches: list[dict], rate: float, slack: float, budgets) -> dict:
         for i, c, t, _ in sorted(b["candidates"], key=lambda x: x[1]):
             trial_cost = sum(cost) - cost[i] + c
             trial_tokens = sum(tokens) - tokens[i] + t
-            within = spent + trial_cost <= rate * (judged + trial_tokens) + slack
+            within = spent + trial_cost <= rate * (judged + trial_tokens) + slack - reserve
             if within and _batch_ok(trial_cost, trial_tokens, budgets):
                 cost[i], tokens[i], rewards[i] = c, t, 1.0
                 swapped += 1
         if spent + sum(cost) <= rate * (judged + sum(tokens)) + slack:
             spent, judged = spent + sum(cost), judged + sum(tokens)
             cheat_rewards += rewards
+            matched += b["rewards"]
+        else:
+            strikes += 1
     honest, cheater = float(np.mean(honest_rewards)), float(np.mean(cheat_rewards)) if cheat_rewards else math.nan
-    return {"gain_points": round(100 * (cheater - honest), 2), "swapped": swapped, "cheat_reward": round(cheater, 4)}
+    return {
+        "gain_points": round(100 * (cheater - honest), 2),
+        "matched_gain_points": round(100 * (cheater - float(np.mean(matched))), 2) if matched else math.nan,
+        "strikes": strikes,
+        "swapped": swapped,
+        "cheat_reward": round(cheater, 4),
+    }
+
+
+def strike_free(batches: list[dict], rate: float, slack: float, budgets) -> dict:
+    """The cheater that keeps the smallest reserve (in steps of 0.25) with which it took no strike over these
+    batches, chosen knowing them (so at least as well as a cheater could do without a strike)."""
+    for quarter in range(0, 4 * int(slack + 20 + rate * 1e5)):
+        row = cheat(batches, rate, slack, budgets, quarter / 4)
+        if row["strikes"] == 0:
+            return {"reserve": quarter / 4, **row}
+    return {"reserve": None}
 
 
 def honest_strikes(costs: np.ndarray, tokens: np.ndarray, rate: float, slack: float) -> int:
@@ -109,6 +136,7 @@ def main() -> int:
         rate = safety * honest_rate
         row = {"rate_safety": safety, "near_tie_rate": round(rate, 6)}
         row["cheater"] = cheat(batches, rate, cal["orchestrator"]["near_tie_slack"], budgets)
+        row["strike_free_cheater"] = strike_free(batches, rate, cal["orchestrator"]["near_tie_slack"], budgets)
         lives_struck, strikes = 0, 0
         for _ in range(args.trials):
             pick = rng.integers(0, len(batches), args.calibration_batches)
