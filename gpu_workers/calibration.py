@@ -150,6 +150,8 @@ def calibration_problem(validator, worker, model_dir, near_tie_rate: float | Non
         )
     from bridge.weights import WeightsError, model_digest
 
+    if model_dir is None:
+        return "the calibration names a model, and no model directory (model.path) was given to check it against"
     try:
         digest = model_digest(model_dir)
     except (OSError, WeightsError) as err:

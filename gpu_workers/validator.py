@@ -136,7 +136,7 @@ class Validator:
         if not needs_calibration(worker):
             log.info(
                 "a %s pool with the %s sampler: no calibration needed (float32 engines leave no near ties to "
-                "price; vLLM's own sampler is replayed by nobody)",
+                "price; vLLM's own sampler is not replayed: a trusted pool)",
                 worker.dtype,
                 worker.sampler,
             )

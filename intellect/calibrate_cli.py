@@ -72,8 +72,8 @@ def fragment(cal, digest: str, command: str) -> str:
 
 
 class _Bar:
-    """A rich progress bar on stderr (a line per phase where stderr is not a terminal); the callback for
-    `measure`'s `progress`."""
+    """A rich progress bar on stderr (where stderr is not a terminal, a line per tenth of each phase); the callback
+    for `measure`'s `progress`."""
 
     def __init__(self):
         from rich.console import Console
@@ -90,13 +90,16 @@ class _Bar:
             disable=not self.console.is_terminal,
         )
         self.tasks: dict[str, int] = {}
+        self.printed: dict[str, int] = {}
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         if phase not in self.tasks:
             self.tasks[phase] = self.bar.add_task(phase, total=total)
-            if not self.console.is_terminal:
-                print(f"calibrate: {phase}: {total} completions", file=sys.stderr, flush=True)
         self.bar.update(self.tasks[phase], completed=done)
+        tenth = 10 * done // max(total, 1)
+        if not self.console.is_terminal and self.printed.get(phase, -1) < tenth:
+            self.printed[phase] = tenth
+            print(f"calibrate: {phase}: {done} of {total} completions", file=sys.stderr, flush=True)
 
     def __enter__(self) -> _Bar:
         self.bar.start()
