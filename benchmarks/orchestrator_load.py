@@ -69,6 +69,7 @@ dir = "{dir}"
 log_level = "WARNING"
 [orchestrator]
 allow_cpu_nodes = true
+worker_store_writes = true
 admin_token = "{token}"
 heartbeat_interval_s = 1.0
 unhealthy_after_s = 5.0

@@ -689,6 +689,7 @@ SELECTION_POOL = {  # the demo's pool shape (configs/demo.toml) and the orchestr
     "orchestrator.ban_after_rejections": 3,
     "orchestrator.rejection_window_s": 3600,
     "orchestrator.allow_cpu_nodes": "true",
+    "orchestrator.worker_store_writes": "true",
     "orchestrator.num_tasks": 1000,
     "orchestrator.submit_burst": 1000,
     "orchestrator.public_cache_s": 0,

@@ -133,6 +133,7 @@ _MAX_META_BYTES = 1 << 20  # meta.json longer than this is refused unread
 _MAX_ZARR_JSON_BYTES = 1 << 16  # so is an array's zarr.json (this writer's are ~350 bytes)
 _MAX_CHUNKS = 4096  # stored chunks per array a reader accepts (this writer: one per 2**20 elements, <= 512)
 DEFAULT_MAX_BATCH_BYTES = 4 << 30
+_LOCATION_KEYS = frozenset({"driver", "bucket", "path", "endpoint", "aws_region", "host_header", "base"})
 
 CODECS: dict[str, Any] = {
     "blosc-lz4": lambda itemsize: {
@@ -608,6 +609,14 @@ def _location_spec(location: str | os.PathLike | Mapping[str, Any]) -> Any:
     if isinstance(location, Mapping):
         return dict(location)
     text = os.fspath(location)
+    if text.lstrip().startswith("{"):  # a kvstore spec written as a JSON object (config strings)
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"rollout store: {text[:200]!r} is not a JSON kvstore spec: {e}") from e
+        if not isinstance(spec, dict):
+            raise ValueError(f"rollout store: {text[:200]!r} is not a JSON object")
+        return spec
     if "://" in text:
         return text
     return "file://" + str(Path(text).expanduser().resolve())
@@ -632,7 +641,8 @@ class RolloutStore:
         sync: bool = True,
         compression: str = "blosc-lz4",
     ) -> RolloutStore:
-        """Open a store at a URL (`file://`, `memory://`, `gs://`, `s3://`), a plain directory or a kvstore spec.
+        """Open a store at a URL (`file://`, `memory://`, `gs://`, `s3://`), a plain directory or a kvstore spec
+        (a mapping, or a string holding a JSON object: `{"driver": "s3", "bucket": ..., "endpoint": ...}`).
 
         `sync=False` skips fsync on `file://` stores (benchmarks, scratch runs); `context` shares `memory://`
         stores and caches between `RolloutStore` objects.
@@ -647,10 +657,15 @@ class RolloutStore:
 
     @property
     def url(self) -> str:
+        """The store's URL, or for a spec without one (an s3 store with an endpoint) its JSON without the
+        context resources (credentials, concurrency), so that roles holding different credentials name the
+        store alike."""
         try:
             return self.kvstore.url
         except Exception:  # drivers without a URL form (a composed spec) have no `url`
-            return json.dumps(self.kvstore.spec().to_json(), sort_keys=True)
+            spec = self.kvstore.spec().to_json()
+            kept = {k: v for k, v in spec.items() if k in _LOCATION_KEYS}
+            return json.dumps(kept, sort_keys=True)
 
     def __repr__(self) -> str:
         return f"RolloutStore({self.url!r})"
@@ -680,8 +695,11 @@ class RolloutStore:
             "chunk_key_encoding": {"name": "v2", "configuration": {"separator": "."}},
         }  # name/0: no c/ dir
 
-    def write(self, batch: RolloutBatch, *, vocab_size: int | None = None) -> str:
-        """Validate and store `batch`; returns the sha256 written to `COMMIT`. A committed batch is never replaced."""
+    def write(self, batch: RolloutBatch, *, vocab_size: int | None = None, expect_sha256: str | None = None) -> str:
+        """Validate and store `batch`; returns the sha256 written to `COMMIT`. A committed batch is never replaced.
+
+        `expect_sha256`: the digest the batch must have (an upload's announcement); if the values written hash to
+        another, what was written is deleted and no `COMMIT` is made."""
         prefix = batch_path(batch.meta.version, batch.meta.batch_id) + "/"
         where = prefix[:-1]
         check_batch(batch, vocab_size)
@@ -711,6 +729,9 @@ class RolloutStore:
         for name, future in zip(("meta.json",) + names, writes):
             _result(future, where, name, "writing")
         digest = _combine(fields, [arrays[name].size for name in names], [d.result() for d in digests], meta)
+        if expect_sha256 is not None and digest != expect_sha256:
+            _result(self.kvstore.delete_range(_prefix_range(prefix)), where, "batch", "clearing a refused write")
+            raise RolloutStoreError(where, "COMMIT", f"the values hash to {digest}, not the expected {expect_sha256}")
         commit = self.kvstore.write(prefix + "COMMIT", digest.encode() + b"\n", if_equal=existing.stamp.generation)
         stamp = _result(commit, where, "COMMIT", "writing")
         if not stamp.generation:
@@ -893,6 +914,12 @@ class RolloutStore:
             if ref is not None and version >= min_version and (max_version is None or version <= max_version)
         ]
         return sorted(refs, key=lambda r: (-r.version, r.batch_id))
+
+    def delete(self, version: int, batch_id: str) -> None:
+        """Delete one batch, its `COMMIT` first (the ingest's clean-up of a batch the pool did not take)."""
+        prefix = batch_path(version, batch_id) + "/"
+        _result(self.kvstore.write(prefix + "COMMIT", None), prefix[:-1], "COMMIT", "deleting")
+        _result(self.kvstore.delete_range(_prefix_range(prefix)), prefix[:-1], "batch", "deleting")
 
     def prune(self, before_version: int) -> list[BatchRef]:
         """Delete every batch (committed or partial) of a version < `before_version`; returns the committed ones.

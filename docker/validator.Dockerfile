@@ -48,7 +48,7 @@ RUN useradd --create-home --uid 10001 intellect \
 USER 10001
 WORKDIR /data
 
-# run.dir holds the fetched policy versions (and a local rollout store if worker.store_url is unset).
+# run.dir holds the fetched policy versions (and a local rollout store if no store URL is set).
 # The prefill, the replay check and the TOPLOC comparison run on the first GPU: a container started without
 # one (no --gpus) stops with an error naming validator.device rather than judging on its CPU, 20x slower or
 # more; pass --validator.device cpu to mean it.

@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# A rollout worker: vLLM generation with TOPLOC proofs, batches written to worker.store_url.
+# A rollout worker: vLLM generation with TOPLOC proofs, batches uploaded to the pool (no storage credentials).
 #
 # Build from the repository root (docker/worker.Dockerfile.dockerignore keeps .venv and runs out of the context):
 #   docker build -f docker/worker.Dockerfile -t intellect-worker .
@@ -48,7 +48,7 @@ RUN useradd --create-home --uid 10001 intellect \
 USER 10001
 WORKDIR /data
 
-# run.dir holds the fetched policy versions (and a local rollout store if worker.store_url is unset).
+# run.dir holds the fetched policy versions and the outbox of batches not yet taken by the pool.
 # vLLM runs on the GPU with CUDA graphs and torch.compile (worker.enforce_eager unset: the TOPLOC capture reads
 # the LM head's input, outside the graphs); --worker.enforce_eager true turns them off.
 ENV INTELLECT_RUN__DIR=/data \

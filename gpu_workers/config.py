@@ -134,10 +134,14 @@ class WorkerConfig(Section):
     """Token choice: "replayable" (seeded Gumbel-max that validators replay exactly) or "vllm" (trusted pools)."""
     max_tokens: int | None = Field(None, gt=0)
     """Cap on generated tokens per completion (None: data.max_new_tokens)."""
-    store_url: str | None = None
-    """Rollout store, a tensorstore kvstore URL (None: file://<run.dir>/rollouts)."""
+    upload_url: str | None = None
+    """Where this worker uploads its batches (None: the URLs the pool announces, else orchestrator_url)."""
+    outbox_dir: Path | None = None
+    """Local directory of batches not yet taken by the pool, resumed after a restart (None: <node dir>/outbox)."""
     kv_cache_gib: float = Field(4.0, gt=0)
     """Memory for vLLM's KV cache, in GiB (on a GPU, part of gpu_memory_utilization)."""
+    cpu_threads: int = Field(0, ge=0)
+    """CPU threads of the engine (OMP_NUM_THREADS; 0: the libraries' default; 1 where roles share the cores)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Share of the GPU's memory vLLM may use; at start it needs this much free (lower it on a shared GPU)."""
     enforce_eager: bool | None = None
@@ -161,10 +165,14 @@ class ValidatorConfig(Section):
     """Base URL of the orchestrator's API."""
     key_path: Path | None = None
     """ed25519 private key file, the node's identity (None: <run.dir>/keys/validator.key, created if missing)."""
+    store_url: str | None = None
+    """Rollout store the validator reads, with its own credentials (None: ingest.store_url, else <run.dir>/rollouts)."""
     dtype: Dtype = "bfloat16"
     """dtype of the prefill that recomputes hidden states; must match the workers' dtype."""
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Where the prefill, replay check and TOPLOC comparison run: auto (the first GPU, else CPU), cpu, cuda[:N]."""
+    cpu_threads: int = Field(0, ge=0)
+    """CPU threads of the prefill and checks (OMP_NUM_THREADS; 0: the libraries' default; see worker.cpu_threads)."""
     gpu_memory_share: float = Field(0.2, gt=0, le=1)
     """On a GPU: share of its memory the prefill's batches may fill beyond the loaded weights (at most what is free)."""
     max_exp_mismatches: int = Field(38, ge=0, le=128)

@@ -1,4 +1,4 @@
-"""The rollout worker (`intellect worker`): join the pool, take assignments, generate, store, announce.
+"""The rollout worker (`intellect worker`): join the pool, take assignments, generate, upload.
 
 One loop, driven by heartbeats:
 
@@ -8,15 +8,17 @@ One loop, driven by heartbeats:
    at the newest version announced, whatever the worker holds (docs/design.md section 3), and an assignment at
    a version not held yet waits for its download;
 3. the oldest open assignment is generated at its version (swapping the engine's weights in place when the
-   version changes), scored, written to the rollout store (`bridge.rollouts`, COMMIT last) and announced.
+   version changes), scored, and uploaded to the pool (`bridge.upload`): the pool's ingest checks it, writes
+   it to the rollout store and announces it. The worker holds no storage credentials; its batch waits in its
+   own local outbox (a `bridge.rollouts` store on its disk, COMMIT last) until the pool has taken it.
 
 Everything a validator will check follows from the assignment: task ids and seeds (`bridge.assignment`), the
 length target of each group (drawn from its first sample's seed), the prompt (the chat template of the
-version's tokenizer), the sampling parameters (stated in the batch's meta.json). An assignment already
-written by an earlier run of this worker (it died between COMMIT and the announcement) is announced again,
-not generated twice.
+version's tokenizer), the sampling parameters (stated in the batch's meta.json). An assignment already in the
+outbox from an earlier run of this worker (it died before the upload was taken) is uploaded from there, not
+generated twice.
 
-Failures: the orchestrator unreachable or restarting, a relay down, the store failing: retried with backoff
+Failures: the orchestrator or the ingest unreachable or restarting, a relay down: retried with backoff
 (`gpu_workers.node.patiently`); a ban or a refused admission ends the worker with the reason. SIGTERM: the
 batch in hand is finished and announced, then the worker deregisters (its other open assignments go back).
 """
@@ -24,6 +26,7 @@ batch in hand is finished and announced, then the worker deregisters (its other 
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import threading
 import time
@@ -33,12 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from bridge.assignment import assigned_task_ids
-from bridge.protocol import Assignment, BatchAnnouncement, OrchestratorError, PolicyInfo
-from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore, RolloutStoreError
+from bridge.protocol import Assignment, OrchestratorError, PolicyInfo
+from bridge.protocol.upload_client import upload_batch
+from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.delta import retained
 from bridge.shardcast.disk import held_manifest_sha256
+from bridge.upload import encode
 from gpu_workers.config import DataConfig, WorkerConfig, completion_cap
 from gpu_workers.engine import Engine
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
@@ -72,16 +77,16 @@ class Worker:
         *,
         key_path: Path,
         weights_dir: Path,
-        store: str,
+        outbox: str | Path,
         servers: Sequence[str] = (),
         stop: Stop | None = None,
         idle_poll_s: float = 1.0,
     ):
         """`config`: this worker's section; `data`: the pool's group lengths, length rewards and system prompt;
         `shardcast`: how weights are fetched (`timeout_s`, `patience_s`, `direct_io`, `buffer_mib`). Resolved
-        locations: the key file, where fetched versions land (v000123/), the rollout store (a path or
-        tensorstore URL), and the SHARDCAST servers used when the policy names no relays. `idle_poll_s`: the
-        heartbeat period while there is no assignment (the pool's interval caps it)."""
+        locations: the key file, where fetched versions land (v000123/), the local outbox (a directory of
+        batches not yet taken by the pool), and the SHARDCAST servers used when the policy names no relays.
+        `idle_poll_s`: the heartbeat period while there is no assignment (the pool's interval caps it)."""
         if not len(tasks):
             raise ValueError("worker: the task set is empty")
         self.config, self.data, self.shardcast = config, data, shardcast
@@ -90,7 +95,7 @@ class Worker:
         self.tasks = tasks
         self.stop = stop or Stop()
         self.node_key, self.client = connect(key_path, config.orchestrator_url)
-        self.store = RolloutStore.open(store)
+        self.outbox = RolloutStore.open(outbox)
         self.engine: Engine | None = None
         self.tokenizer = None
         self.policy: PolicyInfo | None = None
@@ -279,18 +284,10 @@ class Worker:
         return batch
 
     def submit(self, a: Assignment) -> bool:
-        """Generate (unless already committed), store and announce assignment `a`: True once it is done with
-        (announced, or refused as lost or past its deadline: 410), False if stopped."""
+        """Generate (unless already in the outbox), upload and so announce assignment `a`: True once it is done
+        with (taken, or refused as lost, past its deadline or taken already: 410, 409), False if stopped."""
         batch_id = self.batch_id(a)
-        committed = patiently(
-            lambda: [self.store.commit(a.version, batch_id)],
-            self.stop,
-            "reading the rollout store",
-            transient=(RolloutStoreError,),
-        )
-        if committed is None:
-            return False
-        digest = committed[0]
+        digest = self.outbox.commit(a.version, batch_id)
         if digest is None:
             if (
                 patiently(
@@ -303,40 +300,44 @@ class Worker:
             ):
                 return False
             batch = self.build(a)
-            digest = patiently(
-                lambda: self.store.write(batch),
-                self.stop,
-                f"writing batch {batch_id}",
-                transient=(RolloutStoreError, OSError),
-            )
-            if digest is None:
-                return False
-            num_samples, num_tokens = batch.num_samples, int(len(batch.tokens))
+            digest = self.outbox.write(batch)
         else:
-            log.info("assignment %d was already written (%s...): announcing it", a.id, digest[:12])
-            batch = self.store.read(a.version, batch_id, expect_sha256=digest)
-            num_samples, num_tokens = batch.num_samples, int(len(batch.tokens))
-        note = BatchAnnouncement(
-            batch_id=batch_id,
-            assignment_id=a.id,
-            version=a.version,
-            store_path=self.store.batch_url(a.version, batch_id),
-            sha256=digest,
-            num_samples=num_samples,
-            num_tokens=num_tokens,
-        )
-        try:
-            record = patiently(
-                lambda: self.client.announce_batch(note), self.stop, f"announcing batch {batch_id}", rejoin=self._join
+            log.info("assignment %d is in the outbox already (%s...): uploading it", a.id, digest[:12])
+            batch = self.outbox.read(a.version, batch_id, expect_sha256=digest)
+        length, pieces = encode(batch)
+
+        def upload():
+            return upload_batch(
+                self._upload_url(), self.client.key, a.id, batch_id, digest, length, pieces, timeout_s=300.0
             )
+
+        try:
+            record = patiently(upload, self.stop, f"uploading batch {batch_id}", rejoin=self._join)
         except OrchestratorError as err:
-            if err.status != 410:
+            if err.status not in (409, 410):
                 raise
-            log.warning("batch %s was not taken: %s", batch_id, err.detail)  # past its deadline: on to the next
-            return True
-        if record is not None:
-            log.info("announced batch %s (%d samples, version %d)", batch_id, num_samples, a.version)
-        return record is not None
+            log.warning("batch %s was not taken: %s", batch_id, err.detail)  # past its deadline, or taken already
+            record = None
+        else:
+            if record is None:
+                return False
+            log.info(
+                "uploaded batch %s (%d samples, %.1f MB, version %d)",
+                batch_id,
+                batch.num_samples,
+                length / 1e6,
+                a.version,
+            )
+        self.outbox.delete(a.version, batch_id)
+        return True
+
+    def _upload_url(self) -> str:
+        """Where to upload: worker.upload_url, else one of the pool's upload URLs at random, else the
+        orchestrator."""
+        if self.config.upload_url:
+            return self.config.upload_url
+        urls = self.policy.uploads if self.policy is not None else []
+        return random.choice(urls) if urls else self.config.orchestrator_url
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -375,6 +376,7 @@ class Worker:
                 touch(self.config.health_file)
                 self.policy = reply.policy
                 self.interval = min(self.idle_poll_s, reply.heartbeat_interval_s)
+                self.outbox.prune(self.policy.min_version)  # batches of versions out of the window stay untaken
                 if self.policy.version not in self.held_versions():
                     self._prefetch(self.policy.version)
                 todo = [a for a in reply.assignments if a.id not in done]

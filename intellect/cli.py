@@ -66,6 +66,12 @@ COMMANDS = (
         takes_config=True,
     ),
     Command(
+        "ingest",
+        "takes batch uploads beside the orchestrator and writes them to the rollout store",
+        module="intellect.ingest_cli",
+        takes_config=True,
+    ),
+    Command(
         "shardcast", "weight broadcast: origin, relay or fetch", module="intellect.shardcast_cli", takes_config=True
     ),
     Command(

@@ -21,7 +21,7 @@ from bridge.config import require as _require
 from bridge.shardcast.config import ShardcastConfig
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig
 from jax_trainer.config import LearnerModelConfig, LossConfig, OptimConfig, TrainerConfig
-from orchestrator.config import OrchestratorConfig
+from orchestrator.config import IngestConfig, OrchestratorConfig
 
 
 class ConfigError(ValueError):
@@ -121,6 +121,8 @@ class Config(BaseSettings):
     """Prompts, group size, lengths and filters."""
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     """The coordination service."""
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+    """Batch uploads: the rollout store they are written to and the processes that take them."""
     shardcast: ShardcastConfig = Field(default_factory=ShardcastConfig)
     """Weight broadcast from the learner to the workers."""
     worker: WorkerConfig = Field(default_factory=WorkerConfig)
@@ -186,3 +188,11 @@ class Config(BaseSettings):
 
 
 SECTIONS: dict[str, type[Section]] = {name: f.annotation for name, f in Config.model_fields.items()}
+
+
+def rollout_store(cfg: Config, role: Literal["ingest", "validator", "learner"]) -> str:
+    """The rollout store as `role` opens it: its own setting (validator.store_url, trainer.rollout_store), else
+    ingest.store_url (the store uploads are written to), else <run.dir>/rollouts. Each role's credentials come
+    from its own environment; workers open no store (they upload)."""
+    own = {"ingest": None, "validator": cfg.validator.store_url, "learner": cfg.trainer.rollout_store}[role]
+    return own or cfg.ingest.store_url or str(cfg.run.rollouts_dir)

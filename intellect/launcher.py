@@ -68,6 +68,22 @@ def toml_list(values: Sequence[str]) -> str:
     return json.dumps(list(values))  # a JSON list of strings is a TOML array
 
 
+# What a worker's process does not inherit: the store's credentials (workers upload; they hold none) and the
+# pool's secrets. Validators and the learner read the store with the credentials of the launcher's environment.
+WORKER_WITHHELD_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_PROFILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CONFIG_FILE",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+    "INTELLECT_ORCHESTRATOR__ADMIN_TOKEN",
+    "INTELLECT_INGEST__TOKEN",
+)
+
+
 @dataclass
 class Role:
     name: str
@@ -76,6 +92,10 @@ class Role:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    withheld: tuple[str, ...] = ()  # variables of the launcher's environment this role does not get
+
+    def environment(self) -> dict[str, str]:
+        return {k: v for k, v in {**os.environ, **self.env}.items() if k not in self.withheld}
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +107,7 @@ class Role:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env},
+                env=self.environment(),
                 preexec_fn=_die_with_parent,
             )
 
@@ -278,8 +298,8 @@ class Launcher:
         ]
         env = {"INTELLECT_ORCHESTRATOR__ADMIN_TOKEN": self.token}
 
-        def add(name: str, argv: list[str]) -> Role:
-            role = Role(name, argv, self.logs / f"{name}.log", env)
+        def add(name: str, argv: list[str], withheld: tuple[str, ...] = ()) -> Role:
+            role = Role(name, argv, self.logs / f"{name}.log", {} if withheld else env, withheld=withheld)
             self.roles[name] = role
             role.start()
             return role
@@ -324,7 +344,11 @@ class Launcher:
             ),
         )
         for i, key in enumerate(worker_keys):
-            add(f"worker{i}", self.command("worker", extra=[*wiring, "--worker.key_path", str(key)]))
+            add(
+                f"worker{i}",
+                self.command("worker", extra=[*wiring, "--worker.key_path", str(key)]),
+                withheld=WORKER_WITHHELD_ENV,
+            )
         for i, key in enumerate(validator_keys):  # model.path: the base model their calibration must name
             extra = [*wiring, "--validator.key_path", str(key), "--model.path", self.base_model()]
             add(f"validator{i}", self.command("validator", extra=extra))

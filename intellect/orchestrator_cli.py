@@ -29,6 +29,7 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
     """The values of `cfg`'s other sections the service needs; storage: `database_url`, else
     orchestrator.database_url, else SQLite at <run.dir>/orchestrator.db (run.dir is created)."""
     from gpu_workers.config import completion_cap
+    from intellect.config import rollout_store
     from orchestrator.db import sqlite_url
     from orchestrator.service import RunValues
 
@@ -45,6 +46,8 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
         samples_per_prompt=cfg.data.samples_per_prompt,
         max_tokens=completion_cap(cfg.worker, cfg.data),
         relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]),
+        max_prompt_len=cfg.data.max_prompt_len,
+        rollout_store=rollout_store(cfg, "ingest") if cfg.ingest.in_process else None,
     )
 
 
@@ -52,7 +55,7 @@ def build_app(cfg: Config, clock: Callable[[], float] = time.time, database_url:
     """The service's FastAPI application for the whole config `cfg` (see `service_values` for the storage)."""
     from orchestrator.app import create_app
 
-    return create_app(cfg.orchestrator, service_values(cfg, database_url), clock)
+    return create_app(cfg.orchestrator, service_values(cfg, database_url), clock, cfg.ingest)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     from intellect.cli import config_from_args
     from orchestrator.db import SchemaError
-    from orchestrator.guards import address_group, bound_log_lines
-    from orchestrator.server import Limits, serve
+    from orchestrator.guards import bound_log_lines
+    from orchestrator.server import serve
 
     cfg = config_from_args(args)
     logging.basicConfig(level=cfg.run.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -95,7 +98,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"orchestrator: http://{oc.host}:{oc.port}/ (dashboard), API docs at /docs", flush=True)
     # Idle keep-alive connections are kept (keepalive_s, 20 s) longer than clients keep theirs (aiohttp: 15 s,
     # httpx: 5 s), so that a client never sends on a connection the server is closing at that moment.
-    limits = Limits(
+    limits = server_limits(cfg)
+    serve(app, oc.host, oc.port, limits, cfg.run.log_level.lower(), oc.trusted_proxies)
+    return 0
+
+
+def server_limits(cfg: Config):
+    """The connection limits of [orchestrator] (the orchestrator's and `intellect ingest`'s servers)."""
+    from orchestrator.guards import address_group
+    from orchestrator.server import Limits
+
+    oc = cfg.orchestrator
+    return Limits(
         max_connections=oc.max_connections,
         max_connections_per_ip=oc.max_connections_per_ip,
         max_header_bytes=oc.max_header_kib << 10,
@@ -103,6 +117,5 @@ def run(args: argparse.Namespace) -> int:
         body_timeout_s=oc.body_timeout_s,
         keepalive_s=oc.keepalive_s,
         exempt=frozenset(address_group(a) for a in oc.trusted_proxies),
+        upload_timeout_s=cfg.ingest.upload_timeout_s,
     )
-    serve(app, oc.host, oc.port, limits, cfg.run.log_level.lower(), oc.trusted_proxies)
-    return 0

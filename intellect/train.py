@@ -29,6 +29,7 @@ def build_learner(cfg, release_memory=None, on_record=None):
     from flax import nnx
 
     from bridge.rollouts import RolloutStore
+    from intellect.config import rollout_store
     from intellect.learner_setup import (
         abstract_from_hf_config,
         init_distributed,
@@ -56,7 +57,7 @@ def build_learner(cfg, release_memory=None, on_record=None):
     reference = load_base(cfg, base_dir, mesh) if cfg.loss.kl_coef else None
     trainer = trainer_for(cfg, model, mesh, reference)
 
-    store = RolloutStore.open(cfg.trainer.rollout_store or str(run_dir / "rollouts"))
+    store = RolloutStore.open(rollout_store(cfg, "learner"))
     announce = None
     if cfg.trainer.accepted_from == "orchestrator":
         from bridge.protocol import OrchestratorClient

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from intellect.worker_cli import client_servers, node_dir, setup_logging, store_location
+from intellect.worker_cli import client_servers, limit_cpu_threads, node_dir, setup_logging
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def build_validator(cfg, tasks, stop=None):
     """The validator of a resolved config: its `[validator]` section, the pool's `[worker]` sampling, `[data]`
     and `[shardcast]` as they are, and the locations whose defaults lie under run.dir."""
     from gpu_workers.validator import Validator
+    from intellect.config import rollout_store
 
     key_path = cfg.validator.key_path or cfg.run.keys_dir / "validator.key"
     return Validator(
@@ -33,7 +34,7 @@ def build_validator(cfg, tasks, stop=None):
         model_dir=Path(cfg.model.path),
         key_path=key_path,
         weights_dir=cfg.validator.weights_dir or node_dir(cfg, "validator", key_path) / "weights",
-        store=store_location(cfg),
+        store=rollout_store(cfg, "validator"),
         servers=client_servers(cfg),
         stop=stop,
     )
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg, "validator")
+    limit_cpu_threads(cfg.validator.cpu_threads)
     from gpu_workers.prefill import resolve_device
     from intellect.config import ConfigError
 

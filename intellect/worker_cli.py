@@ -1,8 +1,8 @@
 """`intellect worker CONFIG [--section.key value ...]`: a rollout worker (`gpu_workers.worker`).
 
 Joins the pool at `worker.orchestrator_url` with the key `worker.key_path` (created if missing), fetches policy
-versions through the relays the orchestrator names (or `shardcast.relays`, else the origin), writes batches to
-`worker.store_url` and generates from the tasks of `[data]` until SIGTERM.
+versions through the relays the orchestrator names (or `shardcast.relays`, else the origin), generates from the
+tasks of `[data]` and uploads its batches to the pool (it holds no storage credentials) until SIGTERM.
 """
 
 from __future__ import annotations
@@ -32,13 +32,9 @@ def client_servers(cfg) -> tuple[str, ...]:
     return tuple(cfg.shardcast.relays) or (origin_url(cfg.shardcast),)
 
 
-def store_location(cfg) -> str:
-    return cfg.worker.store_url or str(Path(cfg.run.dir) / "rollouts")
-
-
 def build_worker(cfg, tasks, stop=None):
     """The worker of a resolved config: its `[worker]`, `[data]` and `[shardcast]` sections as they are, and
-    the locations whose defaults lie under run.dir (key file, weights directory, rollout store, servers)."""
+    the locations whose defaults lie under run.dir (key file, weights directory, outbox, servers)."""
     from gpu_workers.worker import Worker
 
     key_path = cfg.worker.key_path or cfg.run.keys_dir / "worker.key"
@@ -49,10 +45,19 @@ def build_worker(cfg, tasks, stop=None):
         tasks,
         key_path=key_path,
         weights_dir=cfg.worker.weights_dir or node_dir(cfg, "worker", key_path) / "weights",
-        store=store_location(cfg),
+        outbox=cfg.worker.outbox_dir or node_dir(cfg, "worker", key_path) / "outbox",
         servers=client_servers(cfg),
         stop=stop,
     )
+
+
+def limit_cpu_threads(threads: int) -> None:
+    """OMP_NUM_THREADS for this process's torch and vLLM (`[worker]`/`[validator]` cpu_threads; 0 leaves the
+    libraries' default). Set before torch is imported, since OpenMP reads it once."""
+    if threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(threads)
 
 
 def setup_logging(cfg, role: str) -> None:
@@ -65,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg, "worker")
+    limit_cpu_threads(cfg.worker.cpu_threads)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.worker.kv_cache_gib))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the TOPLOC capture hooks the model in process
 

@@ -84,7 +84,7 @@ class TrainerConfig(Section):
     accepted_from: Literal["orchestrator", "store"] = "orchestrator"
     """Source of accepted batches: the orchestrator (validators' rewards), or every stored batch (trusted box)."""
     rollout_store: str | None = None
-    """Rollout store URL or path (file://, gs://, s3://, memory://); None: run.dir/rollouts."""
+    """Rollout store (URL, path or JSON kvstore spec) the learner reads and prunes (None: ingest.store_url's)."""
     rollout_keep_versions: int | None = Field(None, gt=0)
     """Delete stored rollouts of versions older than this many below the current step (None: keep all)."""
     steps: int = Field(1000, gt=0)

@@ -36,6 +36,7 @@ from bridge.protocol.messages import (
     PROTOCOL_VERSION,
     BanRequest,
     BatchList,
+    BatchRecord,
     BatchStatus,
     Health,
     Ledger,
@@ -48,9 +49,10 @@ from bridge.protocol.messages import (
     RegisterResponse,
 )
 from bridge.protocol.signing import AUTH_HEADERS
+from bridge.upload import UPLOAD_PREFIX
 from orchestrator import dashboard
 from orchestrator.auth import request_target
-from orchestrator.config import OrchestratorConfig
+from orchestrator.config import IngestConfig, OrchestratorConfig
 from orchestrator.db import SCHEMA_VERSION
 from orchestrator.fast_lane import NODE_ROUTES, SESSION_ROUTES, NodeLane, NodeRoute, fast_lane, read_body, replaying
 from orchestrator.guards import (
@@ -61,11 +63,15 @@ from orchestrator.guards import (
     json_error,
     validation_errors,
 )
+from orchestrator.ingest import UploadIngest
 from orchestrator.ledger import build_ledger, ledger_csv
 from orchestrator.nodes import LiveNode
 from orchestrator.service import NodeRoutes, Orchestrator, RunValues
+from orchestrator.uploads import LocalGate, UploadDesk
+from orchestrator.uploads import declare_routes as declare_ingest_routes
 
 log = logging.getLogger("orchestrator")
+UPLOAD_ROUTE = "/v1/uploads/{assignment_id}/{batch_id}"
 
 
 def _json(reply: bytes) -> Response:
@@ -153,10 +159,20 @@ def _reply(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], float] = time.time) -> FastAPI:
-    """The service of config section `cfg` and the run's values `run` (storage: `run.database_url`)."""
+def create_app(
+    cfg: OrchestratorConfig,
+    run: RunValues,
+    clock: Callable[[], float] = time.time,
+    ingest: IngestConfig | None = None,
+) -> FastAPI:
+    """The service of config section `cfg` and the run's values `run` (storage: `run.database_url`); with
+    `ingest` (its section) it takes uploads itself when `ingest.in_process` and `run.rollout_store` is set, and
+    answers the routes of `intellect ingest` processes."""
+    ingest = ingest or IngestConfig(in_process=False)
     svc = Orchestrator(cfg, run, clock)
-    node_routes = NodeRoutes(svc, SESSION_ROUTES)
+    node_routes = NodeRoutes(svc, SESSION_ROUTES, uploads_only=not cfg.worker_store_writes)
+    desk = UploadDesk(svc, node_routes, run.max_tokens, run.max_prompt_len + run.max_tokens)
+    svc.scheduler.set_upload_urls(ingest.urls)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -173,6 +189,8 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
             yield
         finally:
             task.cancel()
+            if app.uploads is not None:
+                await app.uploads.gate.close()
             if svc.wal is not None:
                 await svc.wal.close()
             svc.close()
@@ -185,6 +203,13 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         "decentralized RL run (docs/design.md section 8). Node routes are signed with ed25519.",
     )
     app.state.orchestrator = svc
+    if ingest.in_process and run.rollout_store is not None:
+        from bridge.rollouts import RolloutStore
+
+        store = RolloutStore.open(run.rollout_store, compression=ingest.compression)
+        app.uploads = UploadIngest(store, LocalGate(desk), ingest)
+        log.info("taking uploads into %s", store.url)
+    declare_ingest_routes(app, desk, ingest.token, cfg.admin_token)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -274,6 +299,39 @@ def create_app(cfg: OrchestratorConfig, run: RunValues, clock: Callable[[], floa
         svc.auth.sessions.end(node[0])
         with svc.db() as s:
             return _reply(svc.registry.info(s, [node[0]])[0])
+
+    @app.put(
+        "/v1/uploads/{assignment_id}/{batch_id}",
+        response_model=BatchRecord,
+        responses={
+            **_ERRORS,
+            404: {"description": "not this node's assignment, or this service takes no uploads (see ingest.urls)"},
+            408: {"description": "the upload took longer than ingest.upload_timeout_s"},
+            409: {"description": "the assignment has a batch, or the batch id is taken"},
+            410: {"description": "the assignment was lost or expired"},
+            411: {"description": "no Content-Length"},
+            413: {"description": "larger than the assignment's batch may be"},
+            429: {"description": "an upload of the assignment in progress, or too many from this address or node"},
+        },
+        tags=["work"],
+        openapi_extra={
+            **_SIGNED_ROUTE,
+            "requestBody": {
+                "required": True,
+                "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+            },
+        },
+    )
+    async def upload(
+        assignment_id: Annotated[int, PathParam(ge=0, le=MAX_INT)],
+        batch_id: Annotated[str, PathParam(pattern=BATCH_ID_PATTERN)],
+    ) -> Response:
+        """Upload a batch: the body is its upload stream (bridge/upload.py), `X-Batch-Sha256` its COMMIT digest,
+        signed in place of the body's hash. Answered by the ingest (orchestrator/ingest.py) where this service
+        takes uploads; here only when it does not."""
+        return JSONResponse(
+            {"detail": "this service takes no uploads: send them to one of the policy's upload URLs"}, 404
+        )
 
     @app.get(
         "/v1/batches",
@@ -444,12 +502,26 @@ def _openapi(app: FastAPI) -> dict:
 
 
 class _Service(FastAPI):
-    """The FastAPI application with the fast lane (fast_lane.py) in front of its middleware stack."""
+    """The FastAPI application with the fast lane (fast_lane.py) in front of its middleware stack, and the
+    ingest (ingest.py) in front of both for uploads, which stream their bodies past the body limit."""
 
     fast_lane: Callable | None = None
     node_lane: NodeLane | None = None
+    uploads: UploadIngest | None = None
 
     async def __call__(self, scope, receive, send):
+        if self.uploads is not None and scope["type"] == "http" and scope["path"].startswith(UPLOAD_PREFIX):
+            start = time.perf_counter()
+            status = [500]
+
+            async def observed(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            await self.uploads(scope, receive, observed)
+            self.state.orchestrator.metrics.observe("PUT", UPLOAD_ROUTE, status[0], time.perf_counter() - start)
+            return None
         if self.fast_lane is None:
             return await super().__call__(scope, receive, send)
         await self.fast_lane(scope, receive, send)

@@ -194,10 +194,12 @@ class Authenticator:
         session: str | None = None,
         mac: str | None = None,
         session_ok: bool = False,
+        body_sha256: str | None = None,
     ) -> str:
         """The hex key of the node that signed the request `method target` (the path and query as sent, see
         `request_target`) with `body` (the header values given), or authenticated it with its session key where
-        the route takes one (`session_ok`); 401 otherwise.
+        the route takes one (`session_ok`); 401 otherwise. `body_sha256`: the digest the request signed in place
+        of its body's (an upload: its batch's COMMIT digest, which the ingest checks the body against).
 
         The ed25519 check (about 0.1 ms of CPU, the largest part of a heartbeat's) runs on the event loop:
         measured at 1,000 nodes, handing it to threads (it releases the GIL) cost more in thread hand-offs and
@@ -256,7 +258,7 @@ class Authenticator:
                     f"bad MAC: {HEADER_MAC} is not HMAC-SHA256 under the session key of "
                     "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"
                 )
-        elif not verify_signature(key, signature, method, target.decode("latin-1"), stamp, nonce, body):
+        elif not verify_signature(key, signature, method, target.decode("latin-1"), stamp, nonce, body, body_sha256):
             raise unauthorized(
                 f"bad signature: {HEADER_SIGNATURE} does not verify for {HEADER_KEY} over "
                 "METHOD\\nPATH?QUERY\\nTIMESTAMP\\nNONCE\\nsha256hex(body)"

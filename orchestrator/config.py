@@ -5,6 +5,8 @@ sections; the service takes it plus the few values of other sections it needs (`
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from bridge.config import Section, require
@@ -97,6 +99,8 @@ class OrchestratorConfig(Section):
     """Seconds a connection is kept with no request in progress (clients keep theirs 15 s at most: aiohttp)."""
     trusted_proxies: list[str] = []
     """Addresses of reverse proxies: their X-Forwarded-For names the client, and no per-address limit applies."""
+    worker_store_writes: bool = False
+    """Trusted workers write the rollout store and announce batches (POST /v1/batches); False: uploads only."""
 
     def challenge_side(self) -> int:
         """The challenge size in effect: `challenge_size`, or its default (on unless CPU nodes are allowed)."""
@@ -117,5 +121,44 @@ class OrchestratorConfig(Section):
             ("orchestrator.heartbeat_interval_s", "orchestrator.unhealthy_after_s", "orchestrator.dead_after_s"),
             "need orchestrator.heartbeat_interval_s < unhealthy_after_s < dead_after_s, got "
             f"{self.heartbeat_interval_s} / {self.unhealthy_after_s} / {self.dead_after_s}",
+        )
+        return self
+
+
+class IngestConfig(Section):
+    """[ingest]: where uploaded batches go and who takes them (docs/design.md section 8, uploads): the
+    orchestrator itself (`in_process`) and/or `intellect ingest` processes beside it (`urls`). The ingest is the
+    only writer of the rollout store; workers hold no storage credentials."""
+
+    store_url: str | None = None
+    """Rollout store uploads go to: path, file://, s3://, gs:// or a JSON kvstore spec (None: <run.dir>/rollouts)."""
+    in_process: bool = True
+    """The orchestrator takes uploads itself, on its own address (PUT /v1/uploads/...)."""
+    urls: list[str] = []
+    """Public URLs of `intellect ingest` processes, handed to workers with the policy (empty: the orchestrator)."""
+    orchestrator_url: str = "http://127.0.0.1:8000"
+    """Where an `intellect ingest` process reaches the orchestrator (its /v1/ingest/* routes)."""
+    token: str | None = None
+    """Bearer secret an `intellect ingest` process shows the orchestrator (None: the admin token)."""
+    host: str = "127.0.0.1"
+    """Address an `intellect ingest` process listens on."""
+    port: int = Field(8001, ge=1, le=65535)
+    """Port an `intellect ingest` process listens on."""
+    upload_timeout_s: float = Field(120.0, gt=0)
+    """Seconds an upload may take from its admission to its last byte; a slower one gets 408 and is dropped."""
+    max_uploads: int = Field(16, gt=0)
+    """Uploads one process receives at once (each holds at most one batch in memory); beyond it: 503."""
+    max_uploads_per_ip: int = Field(2, gt=0)
+    """Uploads one client address (IPv6: one /64) may send to one process at once; beyond: 429."""
+    compression: Literal["blosc-lz4", "blosc-zstd", "zstd", "none"] = "blosc-lz4"
+    """Codec of the arrays the ingest writes (readers read any codec)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> IngestConfig:
+        require(
+            self.in_process or bool(self.urls),
+            ("ingest.in_process", "ingest.urls"),
+            "with ingest.in_process off, list the `intellect ingest` processes' URLs in ingest.urls: workers "
+            "would have nowhere to upload",
         )
         return self

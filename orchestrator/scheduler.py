@@ -198,6 +198,7 @@ class WorkScheduler:
         self._deadlines: deque[tuple[float, int, str]] = deque()  # (deadline, assignment id, node)
         with self.engine.connect() as conn:
             self._secret = service_secret(conn, ASSIGNMENT_SECRET)  # salts every assignment's draws
+        self.upload_urls: list[str] = []  # where workers upload batches (empty: this service)
         with db() as s:
             latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             # manifest sha256 by version, as announced (SHARDCAST clients pin them; a claim names its version's)
@@ -235,7 +236,13 @@ class WorkScheduler:
             relays=(row.relays if row and row.relays else self.default_relays),
             announced_at=row.announced_at if row else None,
             manifests={v: self.manifests[v] for v in range(oldest, version + 1) if v in self.manifests},
+            uploads=list(self.upload_urls),
         )
+
+    def set_upload_urls(self, urls: Sequence[str]) -> None:
+        """The ingest URLs handed to workers with the policy (ingest.urls)."""
+        self.upload_urls = list(urls)
+        self.policy = self.policy.model_copy(update={"uploads": list(urls)})
 
     def announce_policy(self, msg: PolicyAnnouncement) -> PolicyInfo:
         """A new version from the learner; announcing the current one again is a no-op, an older one is 409.
@@ -452,6 +459,28 @@ class WorkScheduler:
             record = batch_record(work, now)
         self._drop_open(key, {msg.assignment_id})  # open -> submitted: it stays in the window
         return record
+
+    def upload_target(self, key: str, assignment_id: int, batch_id: str) -> SimpleNamespace:
+        """The open assignment an upload of `key` for `assignment_id` as `batch_id` may land in (its Work row), or
+        the refusal: 404 not this node's, 409 it has a batch already or the id is taken, 410 lost or expired.
+        Read only: the announcement at the end of the upload checks everything again in its transaction."""
+        hot = self.hot
+        with hot.begin() as conn:
+            row = hot.first(conn, _BY_ID, {"wid": assignment_id})
+            work = None if row is None else SimpleNamespace(**row)
+            if work is None or work.node_key != key:
+                raise HTTPException(404, f"assignment_id {assignment_id}: no such assignment of this node")
+            if work.batch_id is not None:
+                raise HTTPException(
+                    409,
+                    f"assignment {work.id} already has batch {work.batch_id!r} ({work.state}): batches are taken once",
+                )
+            gone = self._gone(work, self.clock())
+            if gone is not None:
+                raise HTTPException(410, f"assignment {work.id} (version {work.version}, k {work.k}) {gone}")
+            if hot.scalar(conn, _ID_OF_BATCH, {"batch": batch_id}) is not None:
+                raise HTTPException(409, f"batch_id {batch_id!r} is already taken by another assignment")
+        return work
 
     def _gone(self, work: Any, now: float) -> str | None:
         """Why an assignment without a batch can no longer take one (None: it is open and in time)."""

@@ -73,6 +73,7 @@ class Limits:
     keepalive_s: float = 20.0
     stall_s: float = 1.0  # a request head still arriving after this long may be displaced by a newcomer
     exempt: frozenset[str] = frozenset()  # address groups with no per-address limit (trusted proxies)
+    upload_timeout_s: float = 120.0  # the body of an upload (PUT /v1/uploads/...) has this long, not body_timeout_s
 
 
 @dataclass
@@ -220,11 +221,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.head_bytes, self.tail = 0, b""
             self._arm(limits.header_timeout_s, self._head_too_slow)
         elif phase == BODY:
-            self._arm(limits.body_timeout_s, self._body_too_slow)
+            self._arm(self._body_timeout(), self._body_too_slow)
         elif phase == IDLE:
             self._arm(limits.keepalive_s, self._idle_too_long)
         else:
             self._disarm()
+
+    def _body_timeout(self) -> float:
+        """An upload's body (the ingest bounds it itself, from its admission) may take upload_timeout_s (plus a
+        margin for the admission), any other body_timeout_s."""
+        limits = self.book.limits
+        if self.parser.get_method() == b"PUT" and self.url.startswith(b"/v1/uploads/"):
+            return limits.upload_timeout_s + limits.header_timeout_s
+        return limits.body_timeout_s
 
     def _idle_too_long(self) -> None:
         self._close_with(b"")
@@ -238,7 +247,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _body_too_slow(self) -> None:
         self._close_with(
-            _answer("408 Request Timeout", f"request body not complete within {self.book.limits.body_timeout_s:g} s\n")
+            _answer("408 Request Timeout", f"request body not complete within {self._body_timeout():g} s\n")
         )
 
     def _close_with(self, answer: bytes) -> None:

@@ -59,6 +59,11 @@ class RunValues:
     """Longest completion a worker generates (worker.max_tokens, else data.max_new_tokens): sizes the deadline."""
     relays: Sequence[str]
     """SHARDCAST relays announced with each policy unless the learner names others."""
+    max_prompt_len: int = 0
+    """Longest prompt in tokens (data.max_prompt_len): with max_tokens it bounds an uploaded batch's samples."""
+    rollout_store: str | None = None
+    """The rollout store the in-process ingest writes uploads to (ingest.store_url, else <run.dir>/rollouts;
+    None: this service takes no uploads itself)."""
 
 
 _ASSIGNMENTS = TypeAdapter(list[Assignment])
@@ -188,9 +193,10 @@ class NodeRoutes:
     """What the node routes do once a request is authentic and its body valid, shared by the FastAPI routes
     and the fast lane (fast_lane.py). Each returns the JSON reply."""
 
-    def __init__(self, svc: Orchestrator, session_routes: Sequence[str] = ()):
+    def __init__(self, svc: Orchestrator, session_routes: Sequence[str] = (), uploads_only: bool = False):
         self.svc = svc
         self.session_routes = list(session_routes)
+        self.uploads_only = uploads_only  # POST /v1/batches refused: batches arrive as uploads only
 
     def node_in_role(self, key: str, required: str | None) -> LiveNode:
         """The node of an authentic key; 403 if unknown, banned, or not a `required`."""
@@ -206,6 +212,13 @@ class NodeRoutes:
         return svc.heartbeat_reply(live.state, work)
 
     def announce(self, key: str, _node: LiveNode, body: BatchAnnouncement) -> bytes:
+        if self.uploads_only:
+            raise HTTPException(
+                403,
+                "this pool takes batches as uploads only (PUT /v1/uploads/{assignment_id}/{batch_id}): workers "
+                "hold no store credentials, and an announced store path is not theirs to name "
+                "(orchestrator.worker_store_writes is off)",
+            )
         self.svc.limiter.take(key)
         return self.svc.scheduler.announce(key, body).model_dump_json().encode()
 

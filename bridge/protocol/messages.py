@@ -16,7 +16,7 @@ from bridge.protocol.signing import weak_box_key
 
 PROTOCOL_VERSION = 2
 """2: assignments carry the orchestrator's salt (`bridge.assignment`); verdicts the digest of the validator's
-logprobs."""
+logprobs; workers upload batches (`PUT /v1/uploads/...`) and announce only with `orchestrator.worker_store_writes`."""
 
 # ---------------------------------------------------------------------------------------------------------
 # Field types. Every integer fits SQLite's and PostgreSQL's 64-bit columns, every string is bounded and free
@@ -124,6 +124,10 @@ class PolicyInfo(Reply):
         default={},
         description="sha256 of each window version's manifest.json, as "
         "the learner announced it: SHARDCAST clients accept no other manifest",
+    )
+    uploads: list[str] = Field(
+        default=[],
+        description="base URLs that take batch uploads (PUT /v1/uploads/...); empty: the orchestrator itself",
     )
 
 

@@ -64,9 +64,16 @@ def public_key_hex(key: Ed25519PrivateKey) -> str:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
-def signing_string(method: str, target: str, timestamp_ms: int | str, nonce: str, body: bytes) -> bytes:
-    """`METHOD\\nTARGET\\nTIMESTAMP\\nNONCE\\nsha256hex(body)`; TARGET is path[?query] as sent on the wire."""
-    return f"{method.upper()}\n{target}\n{timestamp_ms}\n{nonce}\n{hashlib.sha256(body).hexdigest()}".encode()
+def signing_string(
+    method: str, target: str, timestamp_ms: int | str, nonce: str, body: bytes, body_sha256: str | None = None
+) -> bytes:
+    """`METHOD\\nTARGET\\nTIMESTAMP\\nNONCE\\nsha256hex(body)`; TARGET is path[?query] as sent on the wire.
+
+    `body_sha256` (64 lowercase hex) stands for the last line instead of hashing `body`: a streamed upload signs
+    the digest its header announces, and the receiver checks the body against it as the body arrives
+    (docs/design.md section 8, uploads)."""
+    digest = hashlib.sha256(body).hexdigest() if body_sha256 is None else body_sha256
+    return f"{method.upper()}\n{target}\n{timestamp_ms}\n{nonce}\n{digest}".encode()
 
 
 def sign_request(
@@ -76,11 +83,13 @@ def sign_request(
     body: bytes,
     timestamp_ms: int | None = None,
     nonce: str | None = None,
+    body_sha256: str | None = None,
 ) -> dict[str, str]:
-    """The four signature headers for one request."""
+    """The four signature headers for one request (`body_sha256`: sign that digest in place of the body's, see
+    `signing_string`)."""
     timestamp_ms = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
     nonce = secrets.token_hex(16) if nonce is None else nonce
-    signature = key.sign(signing_string(method, target, timestamp_ms, nonce, body))
+    signature = key.sign(signing_string(method, target, timestamp_ms, nonce, body, body_sha256))
     return {
         HEADER_KEY: public_key_hex(key),
         HEADER_TIMESTAMP: str(timestamp_ms),
@@ -155,17 +164,25 @@ def _public_key(node_key: str) -> nacl.signing.VerifyKey:
 
 
 def verify_signature(
-    node_key: str, signature_hex: str, method: str, target: str, timestamp_ms: str, nonce: str, body: bytes
+    node_key: str,
+    signature_hex: str,
+    method: str,
+    target: str,
+    timestamp_ms: str,
+    nonce: str,
+    body: bytes,
+    body_sha256: str | None = None,
 ) -> bool:
     """True if `signature_hex` is `node_key`'s signature of the request; False for any malformed input and for a
     weak key (`weak_public_key`). Verified by libsodium (PyNaCl): about half the CPU of OpenSSL's ed25519 per
     request, which is what the orchestrator spends most on; it also refuses small-order keys and signature
-    points, and non-canonical signatures, which an honest signer never makes."""
+    points, and non-canonical signatures, which an honest signer never makes. `body_sha256`: the digest signed in
+    place of the body's (`signing_string`)."""
     try:
         signature = bytes.fromhex(signature_hex)
         if len(signature) != 64:
             return False
-        _public_key(node_key).verify(signing_string(method, target, timestamp_ms, nonce, body), signature)
+        _public_key(node_key).verify(signing_string(method, target, timestamp_ms, nonce, body, body_sha256), signature)
     except (ValueError, TypeError, nacl.exceptions.CryptoError):
         return False
     return True

@@ -56,6 +56,7 @@ MAX_WAIT = 60.0
 MAX_PARTIAL_WAIT = 10.0  # the longest a request for a part still arriving is held
 PARTIAL_HEADER = "X-Shardcast-Partial"
 EVICT_AFTER_S = 1.0  # a connection may be displaced once it has done nothing useful for this long
+LINGER_S = 1.0  # a refused connection's input is dropped for this long after its answer, then it closes
 _JSON = "application/json"
 _RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})", re.ASCII | re.IGNORECASE)
 
@@ -124,8 +125,11 @@ class _Connection(RequestHandler):
         self._tail = b""  # the last bytes received, up to 3, after the last head's end (a terminator may straddle)
         self.busy = False
         self.long_poll = False
+        self.lingering = False  # refused: the answer and a FIN sent, the socket closes after LINGER_S
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:  # refused: dropped unread until the socket closes
+            return
         if data and not self._force_close:
             if not self.busy and self.head_started is None:
                 self._head_begins()
@@ -164,12 +168,22 @@ class _Connection(RequestHandler):
             self.refuse(408, "Request Timeout")
 
     def refuse(self, status: int, reason: str) -> None:
-        """Answer `status` without reading further, and close."""
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode()
-            )
-        self.force_close()
+        """Answer `status` without parsing further, and close. The answer goes out, then this end of the
+        connection (FIN); whatever the client still sends is dropped unread for up to `LINGER_S` before the
+        socket closes. Closing at once would close a socket with unread input, which the kernel answers with a
+        reset that can destroy the answer before the client reads it (a trickling client lost its 408 that
+        way on a loaded machine)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            self.force_close()
+            return
+        transport.write(f"HTTP/1.1 {status} {reason}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+        if not transport.can_write_eof():
+            self.force_close()
+            return
+        transport.write_eof()
+        self.lingering = True
+        self._loop.call_later(LINGER_S, self.force_close)
 
     def begin(self, long_poll: bool = False) -> None:
         self.busy, self.long_poll = True, long_poll
@@ -185,6 +199,8 @@ class _Connection(RequestHandler):
         for one doing useful work (answering a request, or a head that only just started)."""
         if self.transport is None or self.transport.is_closing():
             return None
+        if self.lingering:  # its answer is out: the first to go
+            return (-1, self.last_active)
         if self.busy:
             return (2, self.last_active) if self.long_poll and now - self.last_active > EVICT_AFTER_S else None
         if self.head_started is not None:

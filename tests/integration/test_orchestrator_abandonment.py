@@ -13,7 +13,6 @@ An honest worker that announces before its deadline is accepted, even after the 
 import csv
 import io
 import sqlite3
-from types import SimpleNamespace
 
 import pytest
 from test_orchestrator_state import START, Pool
@@ -166,20 +165,27 @@ def test_a_schema_5_database_gains_abandoned_at_and_its_lost_work_is_no_strike(t
         assert conn.execute("SELECT version FROM schema_info").fetchone() == (SCHEMA_VERSION,)
 
 
-class _CommittedStore:
-    """A rollout store that holds every batch committed already (the worker then announces without generating)."""
+def _upload_through(pool):
+    """`upload_batch` as the worker calls it, sent to the in-process service (TestClient) on the pool's clock."""
+    from bridge.protocol import BatchRecord
+    from bridge.protocol.signing import sign_request
 
-    def commit(self, version, batch_id):
-        return "ab" * 32
+    def upload(base_url, key, assignment_id, batch_id, sha256, length, pieces, **_):
+        target = f"/v1/uploads/{assignment_id}/{batch_id}"
+        stamp = int(pool.clock() * 1000)
+        headers = {"X-Batch-Sha256": sha256, **sign_request(key, "PUT", target, b"", stamp, body_sha256=sha256)}
+        reply = pool.http.put(target, content=b"".join(bytes(p) for p in pieces), headers=headers)
+        if reply.status_code >= 300:
+            raise OrchestratorError(reply.status_code, reply.json()["detail"], "PUT", target)
+        return BatchRecord.model_validate_json(reply.content)
 
-    def read(self, version, batch_id, expect_sha256):
-        return SimpleNamespace(num_samples=4, tokens=[0] * 40)
-
-    def batch_url(self, version, batch_id):
-        return f"file:///store/v{version:06d}/{batch_id}"
+    return upload
 
 
-def test_the_worker_takes_a_refused_announcement_as_done_and_goes_on(tmp_path):
+def test_the_worker_takes_a_refused_upload_as_done_and_goes_on(tmp_path, monkeypatch):
+    from test_uploads import make_batch
+
+    import gpu_workers.worker
     from bridge.protocol import HardwareReport, load_or_create_key
     from bridge.shardcast.config import ShardcastConfig
     from gpu_workers.config import DataConfig, WorkerConfig
@@ -195,20 +201,30 @@ def test_the_worker_takes_a_refused_announcement_as_done_and_goes_on(tmp_path):
         tasks,
         key_path=tmp_path / "worker.key",
         weights_dir=tmp_path / "weights",
-        store=str(tmp_path / "store"),
+        outbox=tmp_path / "outbox",
     )
-    worker.client, worker.store = pool.client(load_or_create_key(tmp_path / "worker.key")), _CommittedStore()
+    worker.client = pool.client(load_or_create_key(tmp_path / "worker.key"))
+    monkeypatch.setattr(gpu_workers.worker, "upload_batch", _upload_through(pool))
+
+    def in_outbox(a) -> None:  # made by an earlier run: the worker uploads it without generating
+        worker.outbox.write(make_batch(worker.node_key, a, seed=a.id))
+
     assert worker.client.register("worker", HardwareReport(cpu_count=2, memory_gib=4)).status == "admitted"
     [late] = worker.client.heartbeat().assignments
+    in_outbox(late)
     pool.clock.advance(100)
     pool.svc.sweep()
     assert worker.submit(late) is True  # refused (410): done with it, not a crash
+    assert worker.outbox.list() == []  # and dropped from the outbox
     [fresh] = worker.client.heartbeat().assignments
+    in_outbox(fresh)
     assert worker.submit(fresh) is True
     submitted = [b.batch_id for b in pool.admin.batches("submitted").batches]
     assert submitted == [worker.batch_id(fresh)]
+    other = fresh.model_copy(update={"id": 10**6})
+    in_outbox(other)
     with pytest.raises(OrchestratorError) as err:  # any other refusal still ends the worker
-        worker.submit(fresh.model_copy(update={"id": 10**6}))
+        worker.submit(other)
     assert err.value.status == 404
 
 

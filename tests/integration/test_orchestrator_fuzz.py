@@ -133,7 +133,7 @@ def test_hostile_values_in_every_operation_never_get_a_5xx(fuzz_server, signer):
     of every operation, signed and unsigned: FastAPI's routes and the fast lane's alike answer 4xx, never echo
     the value, and the log stays small."""
     doc = requests.get(fuzz_server.url + "/openapi.json").json()
-    params = {"batch_id": "fuzz-batch", "node_key": "ab" * 32}
+    params = {"batch_id": "fuzz-batch", "node_key": "ab" * 32, "assignment_id": 1}
     log_before, sent = fuzz_server.log_path.stat().st_size, 0
     with requests.Session() as http:
         for path, methods in doc["paths"].items():

@@ -66,7 +66,14 @@ def postgres_url():
 
 def test_work_flow_and_restart_on_postgresql(postgres_url, tmp_path):
     cfg = load_config(
-        None, [f"--run.dir={tmp_path}", "--orchestrator.allow_cpu_nodes=true", "--orchestrator.admin_token=tok"], env={}
+        None,
+        [
+            f"--run.dir={tmp_path}",
+            "--orchestrator.allow_cpu_nodes=true",
+            "--orchestrator.worker_store_writes=true",
+            "--orchestrator.admin_token=tok",
+        ],
+        env={},
     )
     hw = HardwareReport(cpu_count=1, memory_gib=1)
     worker_key, validator_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()

@@ -43,6 +43,7 @@ dir = "{dir}"
 name = "itest-pool"
 [orchestrator]
 allow_cpu_nodes = true
+worker_store_writes = true
 admin_token = "{token}"
 challenge_size = 48
 prompts_per_assignment = 2

@@ -37,6 +37,7 @@ def config(tmp_path, extra: str = "") -> str:
 dir = "{tmp_path / "run"}"
 [orchestrator]
 allow_cpu_nodes = true
+worker_store_writes = true
 admin_token = "{TOKEN}"
 heartbeat_interval_s = 0.5
 unhealthy_after_s = 20.0

@@ -49,6 +49,7 @@ class Pool:
             "run.dir": tmp_path,
             "orchestrator.allow_cpu_nodes": "true",
             "orchestrator.admin_token": "tok",
+            "orchestrator.worker_store_writes": "true",  # these tests announce batches themselves
             "orchestrator.heartbeat_interval_s": 2,
             "orchestrator.unhealthy_after_s": 6,
             "orchestrator.dead_after_s": 20,

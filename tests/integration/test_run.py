@@ -1,5 +1,8 @@
 """`intellect run` as a user runs it: the whole pool on this machine, killed with SIGKILL mid-run (launcher and
-every role at once), then `--resume`d to the end.
+every role at once), then `--resume`d to the end, with the rollout store on an S3 API server (moto, IAM enforced):
+workers upload their batches to the orchestrator's ingest, which writes them to the bucket; the validator reads
+them there and the learner reads them with the digest check and deletes old versions (retention), all with the
+pool's credentials, which the launcher does not hand to the workers.
 
 Checked: the resumed learner starts from its last checkpoint; no rollout batch is trained on twice; every
 batch accepted before the kill is still recorded as accepted, and the ledger only grows; the final policy is
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import S3Server
 
 CONFIG = """
 [run]
@@ -53,12 +57,15 @@ steps = 5
 async_level = 1
 checkpoint_interval = 2
 export_dtype = "float32"
+rollout_keep_versions = 2
 [loss]
 temperature = 1.0
 [optim]
 lr = 1e-4
 warmup_steps = 0
 grad_clip = 1.0
+[ingest]
+store_url = '{store}'
 [orchestrator]
 allow_cpu_nodes = true
 prompts_per_assignment = 2
@@ -105,11 +112,18 @@ def intellect_processes(run: Path) -> list[str]:
     return found
 
 
-def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model):
+@pytest.fixture
+def s3(tmp_path):
+    server = S3Server(tmp_path / "moto.log").start()
+    yield server
+    server.stop()
+
+
+def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model, s3):
     run = tmp_path / "run"
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG.format(run=run, model=tiny_model("qwen2")))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    config.write_text(CONFIG.format(run=run, model=tiny_model("qwen2"), store=s3.spec("run/")))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **s3.credentials("pool")}
     argv = [sys.executable, "-m", "intellect", "run", str(config)]
     with open(tmp_path / "first.log", "wb") as log:
         first = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -158,6 +172,13 @@ def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model):
     assert not any(r.get("invalid_batches") for r in records), [r for r in records if r.get("invalid_batches")]
     assert all("mismatch_kl" in r for r in records)
 
+    # the batches are in the bucket, every one of a version the retention keeps (the last step pruned
+    # versions below 5 - 2 + 1); the workers never held the bucket's credentials
+    stored = s3.snapshot("run/")
+    versions = {int(key.split("/")[1][1:]) for key in stored if key.endswith("/COMMIT")}
+    assert versions and min(versions) >= 4, sorted(versions)
+    assert any(r.get("pruned_batches", 0) > 0 for r in learner_records(run))
+    assert "uploaded batch" in (run / "logs" / "worker0.log").read_text()
     final = Path(summary["final_policy"])
     assert (final / "STABLE").exists()
     import torch

@@ -193,6 +193,7 @@ def orchestrator(tmp_path):
     overrides = {
         "run.dir": tmp_path,
         "orchestrator.allow_cpu_nodes": "true",
+        "orchestrator.worker_store_writes": "true",
         "orchestrator.admin_token": "tok",
         "trainer.async_level": 1,
         "data.prompts_per_step": 4,

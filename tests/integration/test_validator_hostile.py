@@ -31,9 +31,9 @@ STOP = 0  # the tiny model's eos id
 def pool(tmp_path, tiny_model):
     p = Pool(tmp_path, tiny_model("qwen2"))
     config = p.config.read_text()  # room for four assignments at once, and no ban before the fourth rejection
-    p.config.write_text(
+    p.config.write_text(  # the hostile worker writes the store itself, as in a pool with worker_store_writes
         config.replace("ban_after_rejections = 2", "ban_after_rejections = 50").replace(
-            "max_inflight_per_node = 1", "max_inflight_per_node = 4"
+            "max_inflight_per_node = 1", "max_inflight_per_node = 4\nworker_store_writes = true"
         )
     )
     yield p

@@ -106,7 +106,7 @@ def test_a_groups_target_reaches_prompt_batch_reward_and_the_validators_checks(t
         tasks,
         key_path=tmp_path / "worker.key",
         weights_dir=tmp_path / "weights",
-        store=str(tmp_path / "store"),
+        outbox=tmp_path / "outbox",
     )
     stop = tok.convert_tokens_to_ids("<|im_end|>")
     worker.engine, worker.tokenizer = LinesEngine(tok, tasks, stop), tok

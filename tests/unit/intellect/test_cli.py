@@ -124,3 +124,20 @@ def test_split_overrides():
     rest, overrides = cli.split_overrides(argv)
     assert rest == ["config", "show", "a.toml", "--", "--b.c"]
     assert overrides == ["--optim.lr", "1e-6", "--run.name=x", "--loss.delta", "-3"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_threads_bound_torch_in_a_fresh_process(threads):
+    """`[worker]`/`[validator]` cpu_threads: torch, imported after the setting, computes on that many threads
+    (OpenMP reads OMP_NUM_THREADS once, at torch's import); 0 leaves the environment as it was."""
+    code = (
+        "import os\n"
+        "from intellect.worker_cli import limit_cpu_threads\n"
+        f"limit_cpu_threads({threads}); limit_cpu_threads(0)\n"
+        "import torch\n"
+        "print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(threads), str(threads)]

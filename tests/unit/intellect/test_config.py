@@ -255,7 +255,7 @@ def test_conflict_names_every_key_and_its_source():
 # ---- schema ----------------------------------------------------------------------------------------------
 
 
-def test_sections_are_the_ten_roles():
+def test_sections_are_the_eleven_roles():
     assert list(SECTIONS) == [
         "model",
         "trainer",
@@ -263,6 +263,7 @@ def test_sections_are_the_ten_roles():
         "optim",
         "data",
         "orchestrator",
+        "ingest",
         "shardcast",
         "worker",
         "validator",

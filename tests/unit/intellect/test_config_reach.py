@@ -37,6 +37,7 @@ HOMES = {
     "validator": "gpu_workers.config",
     "shardcast": "bridge.shardcast.config",
     "orchestrator": "orchestrator.config",
+    "ingest": "orchestrator.config",
     "run": "intellect.config",
 }
 
@@ -44,6 +45,7 @@ HOMES = {
 READ_BY_COMMANDS = {
     "run": "every command and the launcher: run directory, local process counts, logging",
     "orchestrator": "`intellect orchestrator` (intellect.orchestrator_cli.build_app) hands it to the service",
+    "ingest": "`intellect orchestrator` and `intellect ingest` hand it to the ingest (orchestrator.ingest)",
     "model.path": "`intellect train`: the base model directory",
     "model.max_seq_len": "`intellect train`: the packed row length of the rollout pipeline",
 }
@@ -122,7 +124,7 @@ def non_default_config(tmp_path: Path) -> Config:
     o.update(heartbeat_interval_s=5.0, unhealthy_after_s=20.0, dead_after_s=100.0)
     # what a node must reach: its orchestrator (not called here) and a rollout store it can open
     w["orchestrator_url"] = values["validator"]["orchestrator_url"] = "http://127.0.0.1:9"
-    w["store_url"] = str(tmp_path / "store")
+    values["validator"]["store_url"] = str(tmp_path / "store")
     values["validator"]["device"] = "cpu"  # a device every machine has (the default is "auto")
     values["validator"]["calibrated_model"] = "ab" * 32  # a digest's form (allow_uncalibrated: not checked)
     values["run"]["dir"] = tmp_path / "run"

@@ -105,3 +105,20 @@ def test_run_refuses_a_bfloat16_replay_pool_without_a_calibration_of_its_base_mo
     launcher(tmp_path, **calibrated).check_calibration()
     with pytest.raises(RoleFailed, match="near_tie_rate"):  # the ledger left out of the recipe
         launcher(tmp_path, **{**calibrated, "orchestrator.near_tie_rate": "none"}).check_calibration()
+
+
+def test_workers_get_no_store_credentials_or_pool_secrets(monkeypatch, tmp_path):
+    """Workers upload their batches: the launcher's worker processes inherit none of the store's credentials
+    (nor the admin token) that the trusted roles read the store and the orchestrator with."""
+    from intellect.launcher import WORKER_WITHHELD_ENV, Role
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv("PATH_FOR_TEST", "kept")
+    trusted = Role("validator0", [], tmp_path / "v.log", {"INTELLECT_ORCHESTRATOR__ADMIN_TOKEN": "tok"})
+    worker = Role("worker0", [], tmp_path / "w.log", withheld=WORKER_WITHHELD_ENV)
+    assert trusted.environment()["AWS_SECRET_ACCESS_KEY"] == "secret"
+    env = worker.environment()
+    assert env["PATH_FOR_TEST"] == "kept"
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"} & set(env)
+    assert "INTELLECT_ORCHESTRATOR__ADMIN_TOKEN" not in env
