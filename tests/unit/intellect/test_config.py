@@ -283,6 +283,32 @@ def test_issue_defaults():
     assert cfg.orchestrator.host == "127.0.0.1"
 
 
+def test_a_pool_is_safe_by_default():
+    """Issue 49's defaults as shipped: a bfloat16 replay pool's validator refuses to start without a calibration
+    and, calibrated, without the near-tie ledger; float32 needs neither; a pool's learner divides by the
+    validator's logprobs unless "inference" trusts the workers, and "validator" needs a pool."""
+    from gpu_workers.calibration import calibration_problem
+    from intellect.train import engine_logprobs_source
+
+    cfg = Config()
+    assert (cfg.worker.sampler, cfg.worker.dtype, cfg.validator.allow_uncalibrated) == ("replayable", "bfloat16", False)
+    refusal = calibration_problem(cfg.validator, cfg.worker, None, cfg.orchestrator.near_tie_rate)
+    assert refusal is not None and "intellect calibrate" in refusal
+    calibrated = cfg.validator.model_copy(update={"calibrated_model": "ab" * 32, "calibrated_dtype": "bfloat16"})
+    assert cfg.orchestrator.near_tie_rate is None  # the ledger's rate comes from the calibration, never a guess
+    assert "near_tie_rate" in calibration_problem(calibrated, cfg.worker, None, cfg.orchestrator.near_tie_rate)
+    fp32 = cfg.worker.model_copy(update={"dtype": "float32"})
+    assert calibration_problem(cfg.validator, fp32, None, None) is None
+
+    assert (cfg.trainer.accepted_from, cfg.loss.logprob_source) == ("orchestrator", "recompute")
+    assert engine_logprobs_source(cfg) == "validator"  # TIS and the mismatch masks divide by the validator's
+    assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "validator"], env={})) == "validator"
+    assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "inference"], env={})) == "worker"
+    single_box = ["--trainer.accepted_from", "store"]
+    assert engine_logprobs_source(load_config(None, single_box, env={})) == "worker"
+    assert "trainer.accepted_from" in error_of(None, [*single_box, "--loss.logprob_source", "validator"])
+
+
 def test_every_field_is_documented_and_sections_forbid_extra_keys():
     for name, section in SECTIONS.items():
         assert section.model_config["extra"] == "forbid", name
