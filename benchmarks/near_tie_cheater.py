@@ -10,7 +10,9 @@ swaps in every answer that passes its sample's checks while the batch still pass
 is then judged by `validate_batch` with the reward check, as `intellect validator` does; the honest batch too.
 
 Reported per run: the honest and the cheater's batches accepted, the mean reward of the honest samples and of
-the cheater's (accepted batches only: a rejected batch trains nothing), the gain in points, the samples swapped
+the cheater's (accepted batches only: a rejected batch trains nothing), the gain in points (and the gain over
+the honest samples of the same batches, which leaves out which batches the ledger happened to reject), the
+cheater's strikes (batches the validator accepted and the ledger rejected), the samples swapped
 and the near-tie choices bought, as a share of the batches' tokens; and the honest batches' own near ties (their
 share of tokens, cost per token, and largest gap as a share of the margin), the rate the budgets must allow.
 
@@ -20,7 +22,11 @@ accepted batches' near-tie cost over RATE x their tokens + SLACK, and the cheate
 than what its allowance has left (the honest batches are held to their own ledger alike). `--peak` scales the
 policy's final norm (its logits) to make a peaked policy; `--tolerance` sets the replay's
 logit tolerance (`[validator] replay_logit_tolerance`; default: the dtype's), `--near-ties` the budgets as
-`per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names).
+`per_sample,per_token,per_batch_token` (the `SamplingTolerance` fields of the same names). `--calibration FILE`
+takes every setting a calibrated pool gets from what `intellect calibrate` wrote (its `[validator]` tolerances
+and `[orchestrator]` ledger); a flag given beside it wins. `--dump FILE` writes, per batch, what a ledger's
+outcome depends on (each honest sample's reward, near-tie cost and tokens; each candidate swap's), for
+`benchmarks/near_tie_ledger.py` to replay the cheater and honest workers under other ledger rates offline.
 
     .venv/bin/python benchmarks/near_tie_cheater.py --model runs/demo/sft --batches 8 [--tolerance 0.4]
 """
@@ -72,7 +78,19 @@ def main() -> int:
     p.add_argument("--near-ties", default=None, help="per_sample,per_token,per_batch_token budgets")
     p.add_argument("--digits", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibration", type=Path, default=None, help="what `intellect calibrate` wrote")
+    p.add_argument("--dump", type=Path, default=None, help="write per-batch costs and candidates here (JSON)")
     args = p.parse_args()
+    if args.calibration is not None:  # the settings a calibrated pool runs with; flags given beside win
+        import tomllib
+
+        written = tomllib.loads(args.calibration.read_text())
+        v, o = written.get("validator", {}), written.get("orchestrator", {})
+        args.tolerance = args.tolerance if args.tolerance is not None else v.get("replay_logit_tolerance")
+        args.tie = args.tie if args.tie is not None else v.get("tie_logit_tolerance")
+        args.logprob = args.logprob if args.logprob is not None else v.get("max_logprob_diff")
+        if args.ledger is None and o.get("near_tie_rate") is not None:
+            args.ledger = f"{o['near_tie_rate']},{o.get('near_tie_slack', 2.0)}"
 
     import torch
     from transformers import AutoTokenizer
@@ -166,13 +184,14 @@ def main() -> int:
             seed=seed,
         )
 
-    totals = dict.fromkeys(
-        ("honest_accepted", "cheat_accepted", "samples", "swapped", "choices", "tokens", "honest_near_ties"), 0
-    )
+    counted = ("honest_accepted", "cheat_accepted", "samples", "swapped", "choices", "tokens", "honest_near_ties")
+    totals = dict.fromkeys((*counted, "cheat_strikes"), 0)
     totals.update(honest_cost=0.0, honest_tokens=0, honest_worst_gap=0.0)
     honest_rewards: list[float] = []
     cheat_rewards: list[float] = []
+    matched_rewards: list[float] = []  # the honest samples of the batches whose cheated version was accepted
     fixable = 0
+    dumped: list[dict] = []
     try:
         for b in range(args.batches):
             batch_tasks = [tasks[b * args.prompts + i] for i in range(args.prompts) for _ in range(args.group)]
@@ -219,6 +238,18 @@ def main() -> int:
                 if rv.passed:
                     candidates.append((rv.numbers["near_tie_cost"], i, rv, result))
             fixable += len(candidates)
+            dumped.append(
+                {
+                    "rewards": rewards,
+                    "cost": [v.numbers["near_tie_cost"] for v in replays],
+                    "tokens": [v.numbers["tokens"] for v in replays],
+                    "honest_accepted": bool(verdict.accepted),
+                    "candidates": [
+                        [i, rv.numbers["near_tie_cost"], rv.numbers["tokens"], int(rv.numbers["near_ties"])]
+                        for _, i, rv, _ in candidates
+                    ],
+                }
+            )
             samples = list(honest)
             chosen = 0
             for _, i, rv, result in sorted(candidates, key=lambda c: c[0]):
@@ -239,6 +270,9 @@ def main() -> int:
             totals["tokens"] += tokens
             if cheat_ok:
                 cheat_rewards += [r if r is not None else 0.0 for r in cheat.rewards()]
+                matched_rewards += rewards
+            elif cheat.accepted:  # the validator took it, the orchestrator's ledger did not: a strike
+                totals["cheat_strikes"] += 1
             print(
                 f"batch {b}: honest {'accepted' if honest_ok else 'REJECTED'} reward "
                 f"{np.mean(rewards):.3f}; cheat {'accepted' if cheat_ok else 'REJECTED'} reward "
@@ -256,6 +290,7 @@ def main() -> int:
         "dtype": args.dtype,
         "temperature": args.temperature,
         "top_p": args.top_p,
+        "calibration": str(args.calibration) if args.calibration else None,
         "replay_logit_tolerance": args.tolerance,
         "tie_logit_tolerance": args.tie,
         "max_logprob_diff": args.logprob,
@@ -271,6 +306,10 @@ def main() -> int:
         "honest_reward": round(honest_mean, 4),
         "cheat_reward": round(cheat_mean, 4),
         "gain_points": round(100 * (cheat_mean - honest_mean), 2),
+        "matched_gain_points": round(100 * (cheat_mean - float(np.mean(matched_rewards))), 2)
+        if matched_rewards
+        else None,
+        "cheat_ledger_strikes": totals["cheat_strikes"],
         "honest_near_ties": totals["honest_near_ties"],
         "honest_near_ties_share_of_tokens": round(totals["honest_near_ties"] / max(totals["honest_tokens"], 1), 4),
         "honest_near_tie_cost_per_token": round(totals["honest_cost"] / max(totals["honest_tokens"], 1), 5),
@@ -281,6 +320,9 @@ def main() -> int:
         "choices_share_of_tokens": round(totals["choices"] / max(totals["tokens"], 1), 4),
         "seconds": round(time.monotonic() - started, 1),
     }
+    if args.dump is not None:
+        settings = {k: report[k] for k in ("replay_logit_tolerance", "tie_logit_tolerance", "near_ties", "ledger")}
+        args.dump.write_text(json.dumps({"settings": settings, "batches": dumped}))
     print(json.dumps(report))
     return 0
 

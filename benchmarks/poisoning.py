@@ -254,7 +254,8 @@ def _cheating_classes(poison: PoisonSettings):
     class CheatingWorker(Worker):
         def build(self, a):
             d, group = self.data, a.samples_per_prompt
-            task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
+            n_tasks = len(self.tasks)
+            task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, n_tasks, a.prompts, a.salt)
             self.engine.task_of = {
                 tuple(
                     prompt_tokens(

@@ -12,11 +12,13 @@ HF name, and how the HF layout maps to the model's layout); this module moves by
   last. Files are written into a hidden temporary directory that is renamed into place, so a reader never
   sees a half-written version; hashing overlaps with the conversion of the next tensor.
 - `verify_manifest(model_dir)` checks every file against the manifest.
+- `model_digest(model_dir)` names a model by its weights and config (a calibration records it).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -100,6 +102,37 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+MODEL_DIGEST_DOMAIN = b"intellect-model/1\n"
+
+
+def model_digest(model_dir: str | Path) -> str:
+    """The hex sha256 that names a model: over its `config.json` and every `*.safetensors` file, in name order,
+
+        sha256(b"intellect-model/1\n" + for each: name + b"\n" + u64le(size) + sha256(file))
+
+    Each file's sha256 comes from `manifest.json` where the directory has one listing it at its size (an
+    export, checked against it when it landed), else from the file. WeightsError when there is no config or
+    no safetensors file."""
+    model_dir = Path(model_dir)
+    listed = {}
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        listed = {
+            e["name"]: (e["size"], e["sha256"]) for e in json.loads((model_dir / MANIFEST_FILE).read_text())["files"]
+        }
+    files = sorted(
+        p for p in model_dir.glob("*") if p.is_file() and (p.suffix == ".safetensors" or p.name == "config.json")
+    )
+    if not any(p.name == "config.json" for p in files) or not any(p.suffix == ".safetensors" for p in files):
+        raise WeightsError(f"{model_dir}: a model directory holds config.json and *.safetensors files")
+    outer = hashlib.sha256(MODEL_DIGEST_DOMAIN)
+    for path in files:
+        size = path.stat().st_size
+        known = listed.get(path.name)
+        digest = known[1] if known is not None and known[0] == size else sha256_file(path)
+        outer.update(path.name.encode() + b"\n" + size.to_bytes(8, "little") + bytes.fromhex(digest))
+    return outer.hexdigest()
 
 
 def verify_manifest(model_dir: str | Path) -> dict:

@@ -109,3 +109,59 @@ def logprob_tolerance(largest_diff: float, safety: float = 2.0) -> float:
     if not 0 <= largest_diff < math.inf or not 1 <= safety < math.inf:
         raise ValueError(f"difference must be finite and >= 0, safety finite and >= 1; got {largest_diff} and {safety}")
     return max(0.01, math.ceil(100 * safety * largest_diff - 1e-9) / 100)
+
+
+class CalibrationError(ValueError):
+    """A bfloat16/float16 replay pool without a calibration of its model; the message says what to run."""
+
+
+def needs_calibration(worker) -> bool:
+    """Whether a pool with this `[worker]` section needs a calibration: the replayable sampler in bfloat16 or
+    float16, whose engines round enough to leave near ties a cheater may choose among (float32 engines agree to
+    2e-4 logits: none was seen in 8,192 honest tokens, and the dtype's margin is 0.04 / T)."""
+    return worker.sampler == "replayable" and worker.dtype != "float32"
+
+
+def calibration_problem(validator, worker, model_dir, near_tie_rate: float | None = 0.0) -> str | None:
+    """Why a validator of this pool may not start (None: it may): a bfloat16/float16 replay pool needs
+    `[validator] calibrated_model` (what `intellect calibrate` writes) to name the model at `model_dir`,
+    `calibrated_dtype` its workers' dtype and (where the caller knows the recipe's `[orchestrator]
+    near_tie_rate`, not the default 0.0) the worker's near-tie ledger on, unless `[validator]
+    allow_uncalibrated` says otherwise."""
+    if not needs_calibration(worker) or validator.allow_uncalibrated:
+        return None
+    how = (
+        "run `intellect calibrate CONFIG` on the pool's model (a few minutes for a small model on a CPU) and "
+        'include what it writes in the recipe (include = ["CALIBRATION.toml"] at its top), or set '
+        "[validator] allow_uncalibrated = true (the dtype's defaults: a near-tie cheater gained +20 points on "
+        "the demo's policy with them, docs/verifiable-sampling.md)"
+    )
+    if validator.calibrated_model is None:
+        return f"a {worker.dtype} replay pool's validator needs a calibration of its model: {how}"
+    if near_tie_rate is None:
+        return (
+            "the recipe's [orchestrator] near_tie_rate is unset, so the orchestrator keeps no near-tie ledger of its "
+            "workers and each batch's own budget is all a near-tie cheater meets: include the whole calibration "
+            f"(its [orchestrator] part too); {how}"
+        )
+    if validator.calibrated_dtype != worker.dtype:
+        return (
+            f"the calibration measured a {validator.calibrated_dtype} worker, the pool's run in {worker.dtype}: {how}"
+        )
+    from bridge.weights import WeightsError, model_digest
+
+    if model_dir is None:
+        return "the calibration names a model, and no model directory (model.path) was given to check it against"
+    try:
+        digest = model_digest(model_dir)
+    except (OSError, WeightsError) as err:
+        return (
+            f"the calibration names model {validator.calibrated_model[:16]}..., and model.path ({model_dir}) is not "
+            f"a model directory whose digest could be taken ({err}): point model.path at the pool's base model"
+        )
+    if digest != validator.calibrated_model:
+        return (
+            f"the calibration was measured on model {validator.calibrated_model[:16]}..., model.path ({model_dir}) is "
+            f"{digest[:16]}...: {how}"
+        )
+    return None

@@ -163,6 +163,8 @@ class AssignedWork:
     (`gpu_workers.tasks.length_target`). Empty: every target_len must be 0."""
     num_samples: int | None = None
     """The assignment's sample count (prompts x samples_per_prompt; None: any multiple of samples_per_prompt)."""
+    salt: str | None = None
+    """The orchestrator's salt of the assignment's draws (None: the unsalted protocol-1 draws)."""
 
 
 def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
@@ -361,9 +363,10 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
         )
     if n == 0 or n % group:
         return CheckVerdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
-    prompts = assigned_task_ids(assignment.node_key, assignment.version, assignment.k, assignment.num_tasks, n // group)
+    key, version, k, salt = assignment.node_key, assignment.version, assignment.k, assignment.salt
+    prompts = assigned_task_ids(key, version, k, assignment.num_tasks, n // group, salt)
     expected_tasks = np.repeat(prompts, group)
-    expected_seeds = assigned_sample_seeds(assignment.node_key, assignment.version, assignment.k, n)
+    expected_seeds = assigned_sample_seeds(key, version, k, n, salt)
     ids = [s.task_id for s in samples]  # Python ints: a batch's values are compared, never used as indices
     tasks = np.array([t if 0 <= t < assignment.num_tasks else -1 for t in ids], dtype=np.int64)
     group_ids = [s.group_id for s in samples]
@@ -453,6 +456,7 @@ def validate_batch(
         for s in samples
     ]
     failed = _failed_cheap_check(batch_checks, verdicts)  # the batch is rejected already: no prefill
+    logprobs: list[np.ndarray | None] = [None] * len(samples)
     runnable = []
     for i, s in enumerate(samples):
         problem = None if failed else _unscorable(s, prefill.vocab_size)
@@ -486,6 +490,8 @@ def validate_batch(
         )
         for i, *checked in zip(part, computation, sampling):
             verdicts[i] += checked
+        for i, result in zip(part, results):
+            logprobs[i] = _full_logprobs(result.logits, samples[i].completion_tokens, declared.temperature)
         if declared.sampler == "replayable":
             replayed = check_replay_batch(
                 [(samples[i].completion_tokens, result.logits, samples[i].seed) for i, result in zip(part, results)],
@@ -504,7 +510,20 @@ def validate_batch(
     if reward_fn is not None:
         for i, s in enumerate(samples):
             verdicts[i].append(check_reward(s, reward_fn))
-    return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
+    sample_verdicts = tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts))
+    return BatchVerdict(sample_verdicts, batch_checks, tuple(logprobs))
+
+
+def _full_logprobs(logits, tokens: np.ndarray, temperature: float) -> np.ndarray | None:
+    """log softmax(logits / T) at each token (float32), or None for logits that do not fit the tokens (the
+    checks have rejected such a sample already)."""
+    import torch
+
+    z = torch.as_tensor(logits).float()
+    if z.ndim != 2 or z.shape[0] != len(tokens) or len(tokens) == 0:
+        return None
+    rows = torch.arange(len(tokens))
+    return torch.log_softmax(z / temperature, dim=-1)[rows, torch.as_tensor(tokens)].numpy()
 
 
 def _failed_cheap_check(batch_checks: Sequence[CheckVerdict], verdicts: Sequence[Sequence[CheckVerdict]]) -> str | None:

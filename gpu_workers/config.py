@@ -214,6 +214,12 @@ class ValidatorConfig(Section):
     """Replay: near-tie cost a sample may spend per completion token, plus 1 (a near tie costs 0.25-1)."""
     near_ties_per_batch_token: float = Field(0.02, ge=0)
     """Replay: near-tie cost a batch may spend per completion token (at least 1, one near tie at full price)."""
+    calibrated_model: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    """Digest of the model the replay tolerances were measured on (`intellect calibrate` writes it; model.path's)."""
+    calibrated_dtype: Dtype | None = None
+    """Worker dtype the calibration measured; a bfloat16/float16 pool's validator refuses another."""
+    allow_uncalibrated: bool = False
+    """Judge a bfloat16/float16 replayable pool without a calibration of its model (dtype defaults: cheatable)."""
     weights_dir: Path | None = None
     """Where fetched policy versions land (None: <run.dir>/validator-<key prefix>/weights)."""
     cache_versions: int = Field(2, gt=0)

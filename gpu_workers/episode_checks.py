@@ -38,6 +38,7 @@ from gpu_workers.checks import (
     Declared,
     Sample,
     SampleVerdict,
+    _full_logprobs,
     check_computation_batch,
     check_fixed_data,
     check_near_tie_budget,
@@ -101,6 +102,7 @@ def validate_episode_batch(
             verdicts[i] += [CheckVerdict(name, False, why, ran=ran) for name in ("computation", "sampling", "replay")]
         else:
             runnable.append(i)
+    full: list[np.ndarray | None] = [None] * len(samples)  # the validator's logprobs, 0 at environment tokens
     for start in range(0, len(runnable), prefill_samples):
         part = runnable[start : start + prefill_samples]
         positions = [sampled_positions(samples[i]) for i in part]
@@ -136,6 +138,11 @@ def validate_episode_batch(
         )
         for i, *checked in zip(part, computation, sampling, replayed):
             verdicts[i] += checked
+        for i, p, t, r in zip(part, picked, tokens, results):
+            values = _full_logprobs(r.logits, t, declared.temperature)
+            if values is not None:
+                full[i] = np.zeros(len(samples[i].completion_tokens), np.float32)
+                full[i][p] = values
     batch_checks += (
         check_near_tie_budget([v for vs in verdicts for v in vs if v.check == "replay" and v.ran], declared.tolerance),
     )
@@ -147,7 +154,7 @@ def validate_episode_batch(
         ok = np.isfinite(s.reward) and abs(float(s.reward) - float(j.reward)) <= 1e-4
         reasons = () if ok else (f"claimed reward {s.reward} but the environment gives {j.reward}",)
         verdicts[i].append(CheckVerdict("reward", bool(ok), reasons, numbers))
-    return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks)
+    return BatchVerdict(tuple(SampleVerdict(i, tuple(v)) for i, v in enumerate(verdicts)), batch_checks, tuple(full))
 
 
 def _unscorable(sample: Sample, vocab_size: int) -> str | None:

@@ -10,6 +10,11 @@ check of `gpu_workers.checks` against what the pool prescribes, never against wh
 - reward: recomputed with the same reward code the worker ran; the verdict carries the recomputed rewards,
   which are what the learner trains on.
 
+Of an accepted batch the validator also writes the logprobs its prefill recomputed beside the batch
+(`bridge.validator_logprobs`: each completion token's logprob on the full distribution at the pool's
+temperature) and puts their digest in its verdict: the learner divides its ratios by these, not by the
+worker's claim, which the sampling check can bound only to the engines' rounding.
+
 The prefill, and the replay check on its logits, run on `[validator] device` ("auto": the first CUDA device
 torch sees, else the CPU); the log line of every verdict and the heartbeat's `batches_on_<device>` say which
 device judged.
@@ -53,7 +58,9 @@ from bridge.rollouts import ReadLimits, RolloutStore, RolloutStoreError
 from bridge.shardcast import ShardcastClient, ShardcastError
 from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
+from bridge.validator_logprobs import flat_logprobs, write_validator_logprobs
 from gpu_workers import checks
+from gpu_workers.calibration import CalibrationError, calibration_problem, needs_calibration
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap, episode_limits, sample_caps
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
 from gpu_workers.prefill import resolve_device
@@ -96,6 +103,7 @@ class Validator:
         shardcast: ShardcastConfig,
         tasks: TaskDataset,
         *,
+        model_dir: Path | None = None,
         key_path: Path,
         weights_dir: Path,
         store: str,
@@ -105,7 +113,12 @@ class Validator:
     ):
         """`config`: this validator's section; `worker`: the pool's sampling (temperature, top_p, max_tokens,
         sampler, dtype) that batches are held to; `data`: the pool's group size, lengths, length rewards and
-        system prompt; `shardcast`: how weights are fetched. Resolved locations as for `Worker`."""
+        system prompt; `shardcast`: how weights are fetched; `model_dir`: the pool's base model (`model.path`),
+        which a bfloat16/float16 replay pool's calibration must name (`CalibrationError` otherwise, before
+        anything starts). Resolved locations as for `Worker`."""
+        problem = calibration_problem(config, worker, model_dir)
+        if problem is not None:
+            raise CalibrationError(problem)
         self.config, self.worker, self.data, self.shardcast = config, worker, data, shardcast
         cap = completion_cap(worker, data)
         self.declared = checks.Declared(  # the stop tokens are each version's own (`_judge`)
@@ -130,14 +143,23 @@ class Validator:
         self.weights_dir, self.servers, self.idle_poll_s = Path(weights_dir), tuple(servers), idle_poll_s
         self.device = resolve_device(config.device)  # a GPU that is not there stops the validator here
         log.info("judging on %s (validator.device = %s)", self.device, config.device)
-        if worker.dtype != "float32" and worker.sampler == "replayable" and config.replay_logit_tolerance is None:
-            log.warning(
-                "validator.replay_logit_tolerance, tie_logit_tolerance and max_logprob_diff are the %s defaults: "
-                "a trained policy's honest workers may exceed them and a near-tie cheater has room within them; "
-                "measure the pool's model with benchmarks/replay_margin.py and set what it prints "
-                "(docs/verifiable-sampling.md, 'Calibrating a pool')",
+        if not needs_calibration(worker):
+            log.info(
+                "a %s pool with the %s sampler: no calibration needed (float32 engines leave no near ties to "
+                "price; vLLM's own sampler is not replayed: a trusted pool)",
                 worker.dtype,
+                worker.sampler,
             )
+        elif config.allow_uncalibrated:
+            log.warning(
+                "validator.allow_uncalibrated: judging a %s replay pool with%s calibration of its model: a trained "
+                "policy's honest workers may exceed the dtype's defaults and a near-tie cheater has room within "
+                "them; run `intellect calibrate CONFIG` (docs/verifiable-sampling.md, 'Calibrating a pool')",
+                worker.dtype,
+                "out a" if config.calibrated_model is None else " an unchecked",
+            )
+        else:
+            log.info("calibrated for model %s... in %s", config.calibrated_model[:16], worker.dtype)
         self.tasks = tasks
         self.env = None
         if data.env is not None:  # a multi-turn pool: every batch is re-run in its environment
@@ -310,6 +332,7 @@ class Validator:
             ),
             length_targets=tuple(self.data.length_targets),
             num_samples=record.num_samples,
+            salt=record.assignment_salt,
         )
         if self.env is not None:
             from gpu_workers.envs.episode import judge
@@ -358,7 +381,14 @@ class Validator:
             near_tie_cost=float(ledger.get("near_tie_cost", 0.0)), near_tie_tokens=int(ledger.get("tokens", 0))
         )
         if result.accepted:
-            return Verdict(accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)), **near_ties)
+            values = flat_logprobs(batch, result.logprobs)  # every sample of an accepted batch was prefilled
+            try:
+                digest = write_validator_logprobs(self.store, batch, record.sha256, values)
+            except RolloutStoreError as err:  # the store's trouble, not the batch's: no verdict, the lease lapses
+                raise OSError(f"{where}: cannot write the validator's logprobs: {err}") from err
+            return Verdict(
+                accepted=True, rewards=rewards, num_tokens=int(len(batch.tokens)), logprobs_sha256=digest, **near_ties
+            )
         return Verdict(
             accepted=False,
             failed_checks=sorted(failed),

@@ -51,6 +51,10 @@ class BatchVerdict:
 
     samples: tuple[SampleVerdict, ...]
     batch_checks: tuple[CheckVerdict, ...] = ()
+    logprobs: tuple[np.ndarray | None, ...] = ()
+    """Per sample, the validator's logprob of each completion token on the full distribution at the declared
+    temperature, from its prefill's logits (float32; None where no prefill ran): what the learner may take in
+    place of the worker's claim (`bridge.validator_logprobs`)."""
 
     @property
     def accepted(self) -> bool:

@@ -219,7 +219,7 @@ class Worker:
         """Generate and score the assignment's samples at its version (the engine must run it)."""
         cfg, data = self.config, self.data
         group = a.samples_per_prompt
-        task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts)
+        task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts, a.salt)
         if max(task_ids) >= len(self.tasks):
             raise RuntimeError(
                 f"assignment {a.id} names task {max(task_ids)} but this worker has {len(self.tasks)} "

@@ -60,6 +60,12 @@ COMMANDS = (
         "orchestrator", "the coordination service (HTTP API)", module="intellect.orchestrator_cli", takes_config=True
     ),
     Command(
+        "calibrate",
+        "measure a bf16/fp16 replay pool's model: its validator tolerances and near-tie ledger",
+        module="intellect.calibrate_cli",
+        takes_config=True,
+    ),
+    Command(
         "ingest",
         "takes batch uploads beside the orchestrator and writes them to the rollout store",
         module="intellect.ingest_cli",

@@ -185,6 +185,13 @@ class Config(BaseSettings):
             f"({self.worker.temperature}): the learner must score samples with the distribution they came from",
         )
         _require(
+            self.loss.logprob_source != "validator" or self.trainer.accepted_from == "orchestrator",
+            ("loss.logprob_source", "trainer.accepted_from"),
+            'loss.logprob_source = "validator" reads the logprobs validators wrote beside the batches they accepted: '
+            'it needs trainer.accepted_from = "orchestrator" (a single box without validators: "inference" or '
+            '"recompute")',
+        )
+        _require(
             self.worker.max_tokens is None or self.worker.max_tokens <= self.data.max_new_tokens,
             ("worker.max_tokens", "data.max_new_tokens"),
             f"worker.max_tokens ({self.worker.max_tokens}) exceeds data.max_new_tokens ({self.data.max_new_tokens})",

@@ -10,6 +10,11 @@ was probably meant. Values from the environment and from flags are strings: each
 (`1e-6`, `true`, `[1, 2]`, `"x"`) when that literal suits the field's type, otherwise as the raw text
 (`--run.name 42` stays the string "42"); `none` or `null` clears an optional field. Relative paths are
 relative to the working directory, not to the TOML file. `config_to_toml` writes a config back as TOML.
+
+A file may start with `include = ["other.toml", ...]` (paths relative to the working directory, like every
+path in a recipe): each included file is read first, in order, and the including file's own values win over
+them. What `intellect calibrate` writes is such a fragment (`[validator]` and `[orchestrator]` keys), so one
+recipe carries its pool's calibration to every role.
 """
 
 from __future__ import annotations
@@ -108,16 +113,32 @@ def _unknown_key_error(section: str, key: str | None, origin: _Origin) -> str | 
     return f"unknown key '{key}' in section '{section}' ('{section}.{key}', from {origin.describe()}); {hint}"
 
 
-def _file_entries(path: Path) -> tuple[list[_Entry], list[str]]:
+def _file_entries(path: Path, including: tuple[Path, ...] = ()) -> tuple[list[_Entry], list[str]]:
+    """The entries of a TOML file, those of the files it includes first; `including`: the files that include it."""
     origin = _Origin("file", str(path))
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        via = f" (included by {including[-1]})" if including else ""
+        raise ConfigError(f"cannot read config file {path}{via}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     entries, errors = [], []
+    include = doc.pop("include", [])
+    if isinstance(include, str):
+        include = [include]
+    if not isinstance(include, list) or not all(isinstance(p, str) for p in include):
+        errors.append(f"'include' in {path} must be a path or a list of paths (strings), got {include!r}")
+        include = []
+    chain = (*including, Path(path).resolve())
+    for name in include:
+        if Path(name).resolve() in chain:
+            errors.append(f"'include' in {path}: {name} includes itself (through {' -> '.join(map(str, chain))})")
+            continue
+        more, problems = _file_entries(Path(name), chain)
+        entries += more
+        errors += problems
     for section, table in doc.items():
         if section not in SECTIONS:
             errors.append(_unknown_key_error(section, None, origin))

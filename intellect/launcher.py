@@ -10,7 +10,9 @@ own key under `run.dir/keys/`, lists the validators' keys as the only ones allow
 operator token to the roles that need it through the environment (never on a command line).
 
 Phases: an optional supervised warm start (`run.sft_steps`, `intellect sft`, its export becomes the base
-model), held-out evaluation of the base policy (`intellect eval`), the RL run (until the learner has made
+model), the calibration check (a bfloat16/float16 replay pool's validators refuse to start without a
+calibration of the base model, `intellect calibrate`: the launcher says so before it starts anything, naming the
+model to calibrate), held-out evaluation of the base policy (`intellect eval`), the RL run (until the learner has made
 `trainer.steps` steps; evaluations every `run.eval_interval` steps on the newest exported version), then a
 final evaluation, the processes stopped, and the plots written (`intellect plot`).
 
@@ -221,6 +223,25 @@ class Launcher:
         self.foreground("sft", self.command("sft", "--steps", str(self.cfg.run.sft_steps), "--out", str(self.sft_dir)))
         self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {self.sft_dir}")
 
+    def check_calibration(self) -> None:
+        """A bfloat16/float16 replay pool's validators refuse to start without a calibration of the base model
+        (`gpu_workers.calibration`): RoleFailed saying what to run, before the pool starts."""
+        from gpu_workers.calibration import calibration_problem
+
+        cfg = self.cfg
+        if not cfg.run.num_validators:
+            return
+        problem = calibration_problem(
+            cfg.validator, cfg.worker, Path(self.base_model()), cfg.orchestrator.near_tie_rate
+        )
+        if problem is not None:
+            config = self.config_path or "CONFIG"
+            raise RoleFailed(
+                f"{problem}\nThe pool's base model is {self.base_model()}: `intellect calibrate {config} --model "
+                f'{self.base_model()} --out CALIBRATION.toml`, then include it (include = ["CALIBRATION.toml"] at '
+                "the top of the recipe) and run again (a finished warm start is kept)."
+            )
+
     def eval_argv(self, model_dir: Path | str, step: int) -> list[str]:
         return self.command(
             "eval", str(model_dir), extra=["--metrics", str(self.cfg.run.metrics_path), "--step", str(step)]
@@ -328,8 +349,9 @@ class Launcher:
                 self.command("worker", extra=[*wiring, "--worker.key_path", str(key)]),
                 withheld=WORKER_WITHHELD_ENV,
             )
-        for i, key in enumerate(validator_keys):
-            add(f"validator{i}", self.command("validator", extra=[*wiring, "--validator.key_path", str(key)]))
+        for i, key in enumerate(validator_keys):  # model.path: the base model their calibration must name
+            extra = [*wiring, "--validator.key_path", str(key), "--model.path", self.base_model()]
+            add(f"validator{i}", self.command("validator", extra=extra))
 
     def wait_http(self, url: str, name: str, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -479,6 +501,7 @@ class Launcher:
         self.prepare()
         t0 = time.monotonic()
         self.warm_start()
+        self.check_calibration()
         self.evaluated = {int(r["step"]) for r in self.read_metrics() if r.get("role") == "eval"}
         if 0 not in self.evaluated:
             self.evaluate_now(self.base_model(), 0)

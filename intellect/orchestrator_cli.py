@@ -78,6 +78,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"intellect orchestrator: {exc}", flush=True)
         return 1
     oc = cfg.orchestrator
+    from gpu_workers.calibration import needs_calibration
+
+    if not needs_calibration(cfg.worker):
+        logging.getLogger("orchestrator").info(
+            "a %s pool with the %s sampler: no near-tie ledger needed%s",
+            cfg.worker.dtype,
+            cfg.worker.sampler,
+            "" if oc.near_tie_rate is None else f" (orchestrator.near_tie_rate {oc.near_tie_rate:g} kept anyway)",
+        )
+    elif oc.near_tie_rate is None:
+        logging.getLogger("orchestrator").warning(
+            "a %s replay pool without orchestrator.near_tie_rate: the workers' near-tie ledger is off and a near-tie "
+            "cheater meets only each batch's budget; `intellect calibrate CONFIG` writes the rate (validators of "
+            "this recipe refuse to start without it unless validator.allow_uncalibrated)",
+            cfg.worker.dtype,
+        )
     if oc.admin_token is None:
         logging.getLogger("orchestrator").warning(
             "orchestrator.admin_token is not set: admin routes and policy announcements are refused"

@@ -82,6 +82,12 @@ def build_learner(cfg, release_memory=None, on_record=None):
     else:
         accepted = StoreListing(store, trust_worker_rewards=True)
     t = cfg.trainer
+    if t.accepted_from == "orchestrator" and cfg.loss.logprob_source == "inference":
+        logging.getLogger("intellect.train").warning(
+            'loss.logprob_source = "inference": pi_old is each worker\'s own claim, which a worker may move within '
+            "the validator's logprob bound (0.75 nats a token in bfloat16); \"validator\" takes the validators' "
+            "recomputation instead (docs/learner.md)"
+        )
     samples = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     source = RolloutPipeline(
         store,
@@ -96,6 +102,7 @@ def build_learner(cfg, release_memory=None, on_record=None):
         drop_zero_groups=cfg.data.online_filter,
         async_level=t.async_level,
         keep_versions=t.rollout_keep_versions,
+        engine_logprobs=engine_logprobs_source(cfg),
     )
     learner = Learner(
         trainer,
@@ -109,6 +116,14 @@ def build_learner(cfg, release_memory=None, on_record=None):
         on_record=on_record,
     )
     return learner, params
+
+
+def engine_logprobs_source(cfg) -> str:
+    """Whose logprobs the learner's ratios divide by: in a pool the validator's (`bridge.validator_logprobs`),
+    unless `loss.logprob_source = "inference"` trusts the workers' claims; without validators (`trainer.
+    accepted_from = "store"`, one trusted box) the workers'."""
+    pool = cfg.trainer.accepted_from == "orchestrator"
+    return "validator" if pool and cfg.loss.logprob_source != "inference" else "worker"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,6 +31,7 @@ def build_validator(cfg, tasks, stop=None):
         cfg.data,
         cfg.shardcast,
         tasks,
+        model_dir=Path(cfg.model.path),
         key_path=key_path,
         weights_dir=cfg.validator.weights_dir or node_dir(cfg, "validator", key_path) / "weights",
         store=rollout_store(cfg, "validator"),
@@ -67,8 +68,17 @@ def run(args: argparse.Namespace) -> int:
     except code.SandboxUnavailable as err:
         print(f"intellect validator: {err}", file=sys.stderr)
         return 2
+    from gpu_workers.calibration import CalibrationError, calibration_problem
+
+    problem = calibration_problem(cfg.validator, cfg.worker, Path(cfg.model.path), cfg.orchestrator.near_tie_rate)
+    if problem is not None:  # the validator checks the model again; the ledger is the recipe's to set
+        raise ConfigError(problem)
     try:
-        return build_validator(cfg, tasks).run()
+        validator = build_validator(cfg, tasks)
+    except CalibrationError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return validator.run()
     except (NodeBanned, NodeRefused) as err:
         print(f"intellect validator: {err}")
         return 3

@@ -158,8 +158,8 @@ class LossConfig(Section):
     """Upper bound of the mismatch ratio (None: 2.0 for token_mask and seq_mask, 1.01 for geo_mask)."""
     temperature: float = Field(0.6, gt=0)
     """Temperature the learner divides logits by; must equal worker.temperature."""
-    logprob_source: Literal["recompute", "inference"] = "recompute"
-    """Old-policy logprobs from the learner ("recompute"; no extra pass with steps_per_batch 1) or the engine's."""
+    logprob_source: Literal["recompute", "inference", "validator"] = "recompute"
+    """pi_old: the learner's ("recompute"), the worker's claim ("inference": trusted workers) or the validator's."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:

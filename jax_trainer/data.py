@@ -36,6 +36,11 @@ Structure, and why:
   versions late is not listed at all, and only the orchestrator can count it.
 - Rewards come from the accepted record (the validator's), never from the worker's `rewards` array, except in
   the explicit single-box mode `StoreListing(trust_worker_rewards=True)`, whose records carry no rewards.
+- The engine logprobs the loss's ratios read (`engine_logprobs`): "validator", the logprobs the validator wrote
+  beside the batch, read under the digest of its verdict (`bridge.validator_logprobs`; a batch without them,
+  or whose file does not hash to the digest, is invalid), so no worker's claim enters a ratio; or "worker",
+  the batch's own (`full_logprobs` where the worker recorded them), for trusted single-box runs and
+  `logprob_source = "inference"`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import grain
 import numpy as np
 
 from bridge.rollouts import RolloutBatch, RolloutStore, RolloutStoreError, batch_path
+from bridge.validator_logprobs import read_validator_logprobs
 from jax_trainer.source import Rollout, StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
@@ -66,6 +72,7 @@ class AcceptedBatch:
     rewards: np.ndarray | None  # float32 [n], one per sample; None only in single-box trusted mode (see module)
     sha256: str | None = None  # the COMMIT digest the validator checked; None: not pinned
     store_url: str | None = None  # the store holding it; None: the pipeline's own store
+    logprobs_sha256: str | None = None  # digest of the validator's logprobs beside it; None: it wrote none
 
     def __post_init__(self):
         if isinstance(self.version, bool) or not isinstance(self.version, (int, np.integer)) or self.version < 0:
@@ -120,6 +127,7 @@ class _Loaded:
     batch: RolloutBatch | None = None
     rewards: np.ndarray | None = None
     error: str | None = None
+    engine_logprobs: np.ndarray | None = None  # float32 [T]: what the ratios divide by (the validator's or the batch's)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -197,7 +205,8 @@ class RolloutPipeline:
     stale_lookback: versions below the window still listed, to count late batches as stale (module docstring);
     poll_interval: seconds between listings when nothing new is there; keep_versions: if set, delete store
     versions older than step - keep_versions + 1 (>= async_level + 1); read_retries: extra read attempts
-    before a batch counts as invalid.
+    before a batch counts as invalid; engine_logprobs: whose logprobs the ratios divide by, "validator" (read
+    beside each batch under its verdict's digest) or "worker" (the batch's own; module docstring).
     """
 
     def __init__(
@@ -220,6 +229,7 @@ class RolloutPipeline:
         poll_interval: float = 0.2,
         keep_versions: int | None = None,
         read_retries: int = 1,
+        engine_logprobs: str = "worker",
     ):
         if (
             samples_per_step <= 0
@@ -231,6 +241,8 @@ class RolloutPipeline:
                 "RolloutPipeline: samples_per_step, prefetch and poll_interval must be positive, "
                 "async_level, stale_lookback and read_retries non-negative"
             )
+        if engine_logprobs not in ("worker", "validator"):
+            raise ValueError(f"RolloutPipeline: engine_logprobs {engine_logprobs!r} is not 'worker' or 'validator'")
         if keep_versions is not None and keep_versions < async_level + 1:
             raise ValueError(
                 f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
@@ -250,6 +262,7 @@ class RolloutPipeline:
         self.async_level, self.vocab_size = async_level, vocab_size
         self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
         self.keep_versions, self.read_retries = keep_versions, read_retries
+        self.engine_logprobs = engine_logprobs
         self._stores: dict[str, RolloutStore] = {}
         self._consumed: set[tuple[int, str]] = set()
         self._totals: collections.Counter[str] = collections.Counter()
@@ -280,9 +293,14 @@ class RolloutPipeline:
             return _Loaded(record, error=str(e))
         for attempt in range(self.read_retries + 1):
             try:
-                batch = self._store_for(record.store_url).read(
+                store = self._store_for(record.store_url)
+                batch = store.read(
                     record.version, record.batch_id, vocab_size=self.vocab_size, expect_sha256=record.sha256
                 )
+                if self.engine_logprobs == "validator":
+                    engine = read_validator_logprobs(store, batch, record.sha256, record.logprobs_sha256)
+                else:  # full-distribution logprobs where the worker recorded them
+                    engine = batch.logprobs if batch.full_logprobs is None else batch.full_logprobs
                 break
             except (RolloutStoreError, ValueError) as e:  # ValueError: a store URL that does not open
                 error = str(e)
@@ -291,7 +309,7 @@ class RolloutPipeline:
         else:
             return _Loaded(record, error=error)
         if record.rewards is None:
-            return _Loaded(record, batch, batch.rewards)
+            return _Loaded(record, batch, batch.rewards, engine_logprobs=engine)
         rewards = np.asarray(record.rewards, np.float32)
         if rewards.shape != (batch.num_samples,) or not np.all(np.isfinite(rewards)):
             return _Loaded(
@@ -299,7 +317,7 @@ class RolloutPipeline:
                 error=f"rollout batch {where}: validator rewards: shape {rewards.shape} for "
                 f"{batch.num_samples} samples, or non-finite values",
             )
-        return _Loaded(record, batch, rewards)
+        return _Loaded(record, batch, rewards, engine_logprobs=engine)
 
     def start(self, step: int) -> None:
         """Begin listing and reading ahead for `step` (`next` calls it; call it early to overlap a compile)."""
@@ -388,7 +406,7 @@ class RolloutPipeline:
                     Rollout(
                         b.sample_tokens(i),
                         int(b.prompt_lens[i]),
-                        b.sample_ratio_logprobs(i),  # full-distribution logprobs where the worker recorded them
+                        item.engine_logprobs[b.offsets[i] : b.offsets[i + 1]],  # `engine_logprobs`' choice
                         float(item.rewards[i]),
                         groups + int(local[i]),
                         int(b.meta.version),
@@ -463,7 +481,7 @@ class RolloutPipeline:
 
 class OrchestratorListing:
     """Accepted batches as the orchestrator lists them (`GET /v1/batches?status=accepted&min_version=`), with
-    the validators' per-sample rewards and the digest each validator checked. `client` is a
+    the validators' per-sample rewards, the digest each validator checked and that of its logprobs. `client` is a
     `bridge.protocol.OrchestratorClient` holding the operator token. The batches are read from the pipeline's
     own store (one store per run)."""
 
@@ -477,8 +495,9 @@ class OrchestratorListing:
         orchestrator), so that a poll costs what is new, not the whole history."""
         records, self._after = self.client.all_batches("accepted", min_version=min_version, after=self._after)
         for r in records:
+            rewards = None if r.rewards is None else np.asarray(r.rewards, np.float32)
             self._known[(r.version, r.batch_id)] = AcceptedBatch(
-                r.batch_id, r.version, None if r.rewards is None else np.asarray(r.rewards, np.float32), r.sha256
+                r.batch_id, r.version, rewards, r.sha256, logprobs_sha256=r.logprobs_sha256
             )
         self._known = {k: v for k, v in self._known.items() if k[0] >= min_version}
         return list(self._known.values())  # in the order the validators judged them

@@ -4,10 +4,12 @@ Notation, per sampled token t of sample i with advantage A_i (the loss mask: a s
 tokens; a multi-turn episode's model turns only, never its prompt or the environment's tokens between turns, which
 are context the policy did not choose: docs/learner.md, "Multi-turn episodes"): lp_t = log pi_theta(t) (the learner,
 at `loss.temperature`), old_t = log pi_old(t) (the learner's own logprob at the start of the step, INTELLECT-2, or
-the inference engine's: `logprob_source`), inf_t = the engine's logprob of the sampled token, on the full
-distribution at the sampling temperature (the rollout batch's `full_logprobs` where a worker recorded them: vLLM's
-processed logprobs are renormalised over the top-p nucleus, so a ratio against them would be biased by the kept
-mass; see docs/rollouts.md), and r_t = exp(lp_t - old_t).
+the engine's: `logprob_source`), inf_t = the engine's logprob of the sampled token, on the full distribution at the
+sampling temperature, and r_t = exp(lp_t - old_t). Which engine: in a pool (`trainer.accepted_from =
+"orchestrator"`) the validator's recomputation (`bridge.validator_logprobs`), which no worker can move, unless
+`logprob_source = "inference"` trusts the worker's claim; in a single-box run (`"store"`) the worker's, its
+`full_logprobs` where it recorded them (vLLM's processed logprobs are renormalised over the top-p nucleus, so a
+ratio against them would be biased by the kept mass; see docs/rollouts.md).
 
 Token objective, `loss.policy_loss`:
 
@@ -36,8 +38,8 @@ Train/inference mismatch (pi_old against the engine, m_t = old_t - inf_t, no gra
 
 `low`/`high` are `mismatch_low`/`mismatch_high`. A dropped token leaves the loss entirely (its policy term,
 KL and entropy terms) and every denominator below: it is as if it had never been sampled. `tis_cap` may be
-combined with a mask. With `logprob_source = "inference"`, pi_old is the engine's own logprob, m_t = 0 and
-nothing is ever dropped or reweighted.
+combined with a mask. With `logprob_source = "inference"` or `"validator"`, pi_old is the engine's logprob,
+m_t = 0 and nothing is ever dropped or reweighted.
 
 Each token's loss is l_t = pg_t + kl_coef * k3_t - entropy_coef * H_t, with k3 = exp(ref - lp) - (ref - lp) - 1
 (Schulman's unbiased, positive KL estimator; its gradient flows). The batch loss is sum_t w_t * l_t / D over

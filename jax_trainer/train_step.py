@@ -5,7 +5,8 @@ Inside one compiled function:
 
 1. pi_old: the learner's logprobs of the batch under the current parameters, computed once before any update
    (INTELLECT-2: with several optimizer steps per batch, the ratio then measures how far those steps moved),
-   or the inference engine's logprobs (`logprob_source = "inference"`, which saves a forward pass).
+   or the batch's engine logprobs (`logprob_source = "inference"`: the worker's claim; "validator": the
+   validator's recomputation, which the pipeline packs in their place), which saves a forward pass.
    Reference-policy logprobs the same way when `kl_coef > 0`.
 2. The micro-batches are split into `steps_per_batch` equal groups (INTELLECT-2's `step_per_rollout`); for each
    group, the loss numerator and its gradients are accumulated over its micro-batches (`lax.scan`), divided

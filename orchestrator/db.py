@@ -22,7 +22,12 @@ banned), `expired_at` one whose deadline passed: each is a strike against the no
 
 `service_runs` records each start and clean stop of the service, and `nonces` the nonces a clean stop left
 unexpired (auth.py: a restart does not reopen old signatures). `policy.manifest_sha256` is what the learner
-announced for a version (SHARDCAST clients accept no other manifest for it).
+announced for a version (SHARDCAST clients accept no other manifest for it). `service_secrets` holds the
+service's own secrets by name: `assignment` salts every assignment's draws (`bridge.assignment`), made once
+when the database is made (or upgraded) and kept, so the draws survive restarts.
+`assignments.salt` is the salt of an assignment's draws, derived from that secret when it is issued (NULL for
+one issued before schema 8: its draws were unsalted), and `assignments.logprobs_sha256` the digest of the
+logprobs the validator wrote beside an accepted batch.
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import secrets
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,7 +67,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -129,6 +135,7 @@ class Work(Base):
     node_key: Mapped[str] = mapped_column(String(64), ForeignKey("nodes.key"))
     version: Mapped[int] = mapped_column(Integer)
     k: Mapped[int] = mapped_column(Integer)  # the node's k-th assignment at this version (docs/design.md section 8)
+    salt: Mapped[str | None] = mapped_column(String(64), nullable=True)  # of its draws (None: issued unsalted)
     prompts: Mapped[int] = mapped_column(Integer)
     samples_per_prompt: Mapped[int] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16))
@@ -155,6 +162,7 @@ class Work(Base):
     verified_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     near_tie_cost: Mapped[float | None] = mapped_column(Float, nullable=True)  # the worker's near-tie ledger
     near_tie_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    logprobs_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the validator's logprobs
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
 
 
@@ -166,6 +174,33 @@ class ServiceRun(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     started_at: Mapped[float] = mapped_column(Float)
     stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class ServiceSecret(Base):
+    """A secret of the service's own, by name (never sent whole to anyone; see the module docstring)."""
+
+    __tablename__ = "service_secrets"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+
+
+ASSIGNMENT_SECRET = "assignment"
+
+
+def _new_secrets(conn: Connection) -> None:
+    """The service's secrets, made once (a database that has one keeps it)."""
+    have = set(conn.execute(select(ServiceSecret.name)).scalars())
+    if ASSIGNMENT_SECRET not in have:
+        conn.execute(ServiceSecret.__table__.insert().values(name=ASSIGNMENT_SECRET, value=secrets.token_hex(32)))
+
+
+def service_secret(conn: Connection, name: str) -> bytes:
+    """The named secret's bytes; SchemaError when the database has none (it was not made by open_database)."""
+    value = conn.execute(select(ServiceSecret.value).where(ServiceSecret.name == name)).scalar_one_or_none()
+    if value is None:
+        raise SchemaError(f"the database holds no {name!r} secret: open it with orchestrator.db.open_database")
+    return bytes.fromhex(value)
 
 
 class SeenNonce(Base):
@@ -240,6 +275,21 @@ def _v6_to_v7(conn: Connection) -> None:
 MIGRATIONS[6] = _v6_to_v7
 
 
+def _v7_to_v8(conn: Connection) -> None:
+    """The service's secrets, `salt` (of each assignment's draws, `bridge.assignment`; assignments issued before
+    keep NULL, their draws unsalted as they were handed out) and `logprobs_sha256` (the validator's logprobs of
+    an accepted batch; batches judged before have none)."""
+    ServiceSecret.__table__.create(conn, checkfirst=True)
+    _new_secrets(conn)
+    names = {c["name"] for c in inspect(conn).get_columns(Work.__tablename__)}
+    for column in ("salt", "logprobs_sha256"):
+        if column not in names:
+            conn.execute(text(f"ALTER TABLE assignments ADD COLUMN {column} VARCHAR(64)"))
+
+
+MIGRATIONS[7] = _v7_to_v8
+
+
 def sqlite_url(path: str | Path) -> str:
     return f"sqlite:///{Path(path).absolute()}"
 
@@ -269,6 +319,7 @@ def open_database(
         if not tables:
             Base.metadata.create_all(conn)
             conn.execute(SchemaInfo.__table__.insert().values(version=SCHEMA_VERSION))
+            _new_secrets(conn)
             return engine
         if SchemaInfo.__tablename__ not in tables:
             engine.dispose()

@@ -35,7 +35,10 @@ its tokens + near_tie_slack is recorded as a rejection of the "replay" check ins
 Assignments are given at V, the newest version the learner announced (it announces a version once its weights
 are published): the orchestrator chooses, whatever versions the worker says it holds (it fetches V if it has
 not). The k-th assignment of a node at version v has its prompts and seeds drawn by `bridge.assignment` from
-(node key, v, k), so a validator recomputes them; k only grows, so a node never draws the same slot twice.
+(node key, v, k) and a salt, an HMAC of those under the service's secret (`orchestrator.db.service_secrets`),
+stored with the assignment when it is issued: the worker learns the salt with its assignment, a validator
+with the batch it claims, and nobody before the assignment exists, so no key's draws can be computed (and the
+key chosen) ahead of registering it. k only grows, so a node never draws the same slot twice.
 
 The hot paths (issuing an assignment, announcing, claiming, judging) run prebuilt SQLAlchemy Core statements
 through `HotPath` (db.py): one held connection, each statement compiled once, and on SQLite executed on the
@@ -56,7 +59,7 @@ from fastapi import HTTPException
 from sqlalchemy import Engine, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from bridge.assignment import assigned_sample_seeds, assigned_task_ids
+from bridge.assignment import assigned_sample_seeds, assigned_task_ids, assignment_salt
 from bridge.protocol.messages import (
     Assignment,
     BatchAnnouncement,
@@ -66,7 +69,19 @@ from bridge.protocol.messages import (
     PolicyInfo,
     Verdict,
 )
-from orchestrator.db import ACCEPTED, EXPIRED, LOST, OPEN, REJECTED, SUBMITTED, HotPath, Policy, Work
+from orchestrator.db import (
+    ACCEPTED,
+    ASSIGNMENT_SECRET,
+    EXPIRED,
+    LOST,
+    OPEN,
+    REJECTED,
+    SUBMITTED,
+    HotPath,
+    Policy,
+    Work,
+    service_secret,
+)
 from orchestrator.nodes import NodeRegistry
 
 log = logging.getLogger("orchestrator")
@@ -172,6 +187,8 @@ class WorkScheduler:
         # Deadlines of open assignments in the order they were issued, so in deadline order (if the clock steps
         # back, one expires late, never early); an entry whose assignment left the open state is skipped.
         self._deadlines: deque[tuple[float, int, str]] = deque()  # (deadline, assignment id, node)
+        with self.engine.connect() as conn:
+            self._secret = service_secret(conn, ASSIGNMENT_SECRET)  # salts every assignment's draws
         self.upload_urls: list[str] = []  # where workers upload batches (empty: this service)
         with db() as s:
             latest = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
@@ -268,15 +285,17 @@ class WorkScheduler:
     def _to_assignment(self, w: Any) -> Assignment:
         """The Assignment of a Work row (ORM object or Core row)."""
         count = w.prompts * w.samples_per_prompt
-        task_ids = assigned_task_ids(w.node_key, w.version, w.k, self.num_tasks, w.prompts) if self.num_tasks else None
+        key, version, k, salt = w.node_key, w.version, w.k, w.salt
+        task_ids = assigned_task_ids(key, version, k, self.num_tasks, w.prompts, salt) if self.num_tasks else None
         return Assignment(
             id=w.id,
-            version=w.version,
-            k=w.k,
+            version=version,
+            k=k,
             prompts=w.prompts,
             samples_per_prompt=w.samples_per_prompt,
             task_ids=task_ids,
-            sample_seeds=assigned_sample_seeds(w.node_key, w.version, w.k, count),
+            sample_seeds=assigned_sample_seeds(key, version, k, count, salt),
+            salt=salt,
             issued_at=w.issued_at,
             expires_at=w.issued_at + self.deadline_s if math.isfinite(self.deadline_s) else None,
         )
@@ -386,6 +405,7 @@ class WorkScheduler:
                 node_key=key,
                 version=version,
                 k=k,
+                salt=assignment_salt(self._secret, key, version, k),
                 prompts=self.prompts_per_assignment,
                 samples_per_prompt=self.samples_per_prompt,
                 state=OPEN,
@@ -542,6 +562,7 @@ class WorkScheduler:
                 verified_tokens=msg.num_tokens,
                 near_tie_cost=msg.near_tie_cost,
                 near_tie_tokens=msg.near_tie_tokens,
+                logprobs_sha256=msg.logprobs_sha256 if accepted else None,
             )
             hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
@@ -653,6 +674,8 @@ def batch_dict(w: Any, now: float, public: bool) -> dict:
             reason=w["reason"],
             rewards=w["rewards"],
             verified_tokens=w["verified_tokens"],
+            assignment_salt=w["salt"],
+            logprobs_sha256=w["logprobs_sha256"],
         )
     return out
 
@@ -665,6 +688,7 @@ def batch_record(w: Any, now: float) -> BatchRecord:
         node_key=w.node_key,
         assignment_id=w.id,
         assignment_k=w.k,
+        assignment_salt=w.salt,
         version=w.version,
         store_path=w.store_path,
         sha256=w.sha256,
@@ -681,4 +705,5 @@ def batch_record(w: Any, now: float) -> BatchRecord:
         reason=w.reason,
         rewards=w.rewards,
         verified_tokens=w.verified_tokens,
+        logprobs_sha256=w.logprobs_sha256,
     )

@@ -97,11 +97,12 @@ class OrchestratorProcess:
         self.stop()
 
 
-# What each role may do on the rollout bucket: the ingest writes (and clears what it refused), validators read,
-# the learner reads and deletes old versions (retention). Workers get no user at all.
+# What each role may do on the rollout bucket: the ingest writes (and clears what it refused), validators read
+# and write their logprobs beside the batches they accept, the learner reads and deletes old versions
+# (retention). Workers get no user at all.
 S3_ROLES = {
     "ingest": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:ListBucket"],
-    "validator": ["s3:GetObject", "s3:ListBucket"],
+    "validator": ["s3:GetObject", "s3:PutObject", "s3:ListBucket"],
     "learner": ["s3:GetObject", "s3:DeleteObject", "s3:ListBucket"],
     "pool": ["s3:*"],  # one user for every trusted role of `intellect run`, which shares one environment
 }

@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from bridge.protocol.signing import weak_box_key
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: assignments carry the orchestrator's salt (`bridge.assignment`); verdicts the digest of the validator's
+logprobs; workers upload batches (`PUT /v1/uploads/...`) and announce only with `orchestrator.worker_store_writes`."""
 
 # ---------------------------------------------------------------------------------------------------------
 # Field types. Every integer fits SQLite's and PostgreSQL's 64-bit columns, every string is bounded and free
@@ -180,9 +182,10 @@ class HeartbeatRequest(Request):
 class Assignment(Reply):
     """Work for one batch: `prompts` prompts x `samples_per_prompt` samples at policy `version`.
 
-    The prompts and seeds follow from (node key, version, k) alone (`assigned_task_ids`,
-    `assigned_sample_seeds`), so a validator recomputes them. `task_ids` is None when the service does not know
-    the dataset's size; the worker then draws them from its own copy with `assigned_task_ids`.
+    The prompts and seeds follow from (node key, version, k) and `salt`, the orchestrator's secret mixed in
+    (`assigned_task_ids`, `assigned_sample_seeds`), so a validator recomputes them and nobody computes them
+    before the assignment is issued. `task_ids` is None when the service does not know the dataset's size; the
+    worker then draws them from its own copy with `assigned_task_ids(..., salt=salt)`.
     """
 
     id: int
@@ -192,6 +195,9 @@ class Assignment(Reply):
     samples_per_prompt: int
     task_ids: list[int] | None
     sample_seeds: list[int] = Field(description="one per sample, prompt-major")
+    salt: str | None = Field(
+        None, description="the orchestrator's salt of this assignment's draws (None: a protocol-1 service, unsalted)"
+    )
     issued_at: float
     expires_at: float | None = Field(
         None,
@@ -226,6 +232,9 @@ class BatchRecord(Reply):
     node_key: str
     assignment_id: int
     assignment_k: int = Field(0, description="k of the assignment: with node key and version it fixes the prompts")
+    assignment_salt: str | None = Field(
+        None, description="the salt of the assignment's draws (validators recompute its prompts and seeds with it)"
+    )
     version: int
     store_path: str
     sha256: str
@@ -242,6 +251,9 @@ class BatchRecord(Reply):
     reason: str | None = None
     rewards: list[float] | None = Field(None, description="the validator's per-sample rewards (accepted batches)")
     verified_tokens: int | None = Field(None, description="tokens as counted by the validator")
+    logprobs_sha256: str | None = Field(
+        None, description="digest of the validator's logprobs written beside the batch (`bridge.validator_logprobs`)"
+    )
 
 
 class BatchList(Reply):
@@ -312,11 +324,18 @@ class Verdict(Request):
         description="the replay check's near-tie cost summed over the batch (the worker's near-tie ledger)",
     )
     near_tie_tokens: int = Field(0, ge=0, le=1 << 40, description="completion tokens the replay check judged")
+    logprobs_sha256: Hex64 | None = Field(
+        None,
+        description="digest of the logprobs the validator recomputed and wrote beside the batch "
+        "(`bridge.validator_logprobs`; accepted batches only): the learner reads them only under this digest",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> Verdict:
         if self.accepted and self.failed_checks:
             raise ValueError("failed_checks must be empty when accepted is true")
+        if not self.accepted and self.logprobs_sha256 is not None:
+            raise ValueError("logprobs_sha256 is for accepted batches only")
         if not self.accepted and not (self.failed_checks or self.reason):
             raise ValueError("a rejection needs failed_checks or a reason")
         return self

@@ -38,7 +38,7 @@ def test_leaving_and_rejoining_to_discard_assignments_is_banned_like_expiring(tm
     assert leaver.deregister().open_assignments == 0
     [second] = leaver.heartbeat().assignments  # back at once, with a fresh draw: the next k, never k again
     assert (second.version, second.k) == (0, 1)
-    assert second.sample_seeds == assigned_sample_seeds(leaver.node_key, 0, 1, 4) != first.sample_seeds
+    assert second.sample_seeds == assigned_sample_seeds(leaver.node_key, 0, 1, 4, second.salt) != first.sample_seeds
     [entry] = [e for e in pool.admin.ledger().entries if e.node_key == leaver.node_key]
     assert (entry.lost_assignments, entry.banned) == (1, False)  # one strike, under ban_after_rejections 2
     leaver.deregister()
@@ -133,7 +133,7 @@ def test_a_worker_claiming_an_older_version_cannot_choose_the_version(tmp_path):
     worker = pool.node("worker")
     [a] = worker.heartbeat(loaded_versions=[1]).assignments
     assert (a.version, a.k) == (2, 0)
-    assert a.sample_seeds == assigned_sample_seeds(worker.node_key, 2, 0, 4)
+    assert a.sample_seeds == assigned_sample_seeds(worker.node_key, 2, 0, 4, a.salt)
     with pytest.raises(OrchestratorError) as err:  # the batch must be at the assignment's version
         pool.submit(worker, a.model_copy(update={"version": 1}), "at-my-version")
     assert err.value.status == 422 and "assignment" in str(err.value.detail)

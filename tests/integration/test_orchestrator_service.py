@@ -124,7 +124,7 @@ def test_work_flow_ledger_and_metrics(server):
     worker, validator = join(server.url, "worker"), join(server.url, "validator")
     admin = OrchestratorClient(server.url, admin_token=TOKEN)
     [a] = worker.heartbeat().assignments
-    assert a.task_ids == assigned_task_ids(worker.node_key, 0, 0, 500, 2) and len(a.sample_seeds) == 4
+    assert a.task_ids == assigned_task_ids(worker.node_key, 0, 0, 500, 2, a.salt) and len(a.sample_seeds) == 4
     submit(worker, a, "flow-ok")
     # Announcing again is harmless (a retry after a lost reply); the same id with other bytes is a conflict.
     assert submit(worker, a, "flow-ok").status == "submitted"

@@ -174,8 +174,9 @@ def test_pacing_by_the_async_window_and_learner_reads(tmp_path):
     for w in busy:  # deterministic prompts and seeds, from (key, version, k)
         [a] = given[w.node_key]
         assert (a.version, a.k) == (0, 0)
-        assert a.task_ids == assigned_task_ids(w.node_key, 0, 0, 100, 2)
-        assert a.sample_seeds == assigned_sample_seeds(w.node_key, 0, 0, 4)
+        assert a.salt is not None  # the orchestrator's salt of the draws (bridge.assignment)
+        assert a.task_ids == assigned_task_ids(w.node_key, 0, 0, 100, 2, a.salt)
+        assert a.sample_seeds == assigned_sample_seeds(w.node_key, 0, 0, 4, a.salt)
         assert [x.id for x in w.heartbeat().assignments] == [a.id]  # in-flight limit 1: the same one again
     for i, w in enumerate(busy[:2]):
         pool.submit(w, given[w.node_key][0], f"b{i}")

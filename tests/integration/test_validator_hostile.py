@@ -45,7 +45,7 @@ def _hostile(tokenizer, node_key: str, a, batch_id: str, prompts: int, task_id: 
     ending in the stop token), with sample 0's task id replaced by `task_id` if given."""
     group = a.samples_per_prompt
     n = prompts * group
-    ids = [t for t in assigned_task_ids(node_key, a.version, a.k, len(TASKS), prompts) for _ in range(group)]
+    ids = [t for t in assigned_task_ids(node_key, a.version, a.k, len(TASKS), prompts, a.salt) for _ in range(group)]
     if task_id is not None:
         ids[0] = task_id
     prompt_of = {t: prompt_tokens(TASKS[t], tokenizer) for t in set(ids) if t < len(TASKS)}
@@ -57,7 +57,7 @@ def _hostile(tokenizer, node_key: str, a, batch_id: str, prompts: int, task_id: 
         logprobs=[[0.0] * (len(t) - 4) + [-1.0] * 4 for t in tokens],
         task_ids=ids,
         group_ids=[i // group for i in range(n)],
-        seeds=assigned_sample_seeds(node_key, a.version, a.k, n),
+        seeds=assigned_sample_seeds(node_key, a.version, a.k, n, a.salt),
         finish=[0] * n,
         rewards=[0.0] * n,
         proofs=[b"\0" * 258] * n,

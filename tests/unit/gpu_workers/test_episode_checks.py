@@ -137,6 +137,13 @@ def test_honest_episodes_pass_every_check(played):
         assert failed(verdict, i) == set(), [c for c in verdict.samples[i].verdicts if not c.passed]
         names = {c.check for c in verdict.samples[i].verdicts}
         assert names == {"episode", "computation", "sampling", "replay", "reward"}
+    # the logprobs the validator writes beside an accepted batch (bridge.validator_logprobs): one per completion
+    # token, 0 at the environment's, and at the model's close to what the worker's engine reported
+    assert verdict.accepted and len(verdict.logprobs) == len(played.samples)
+    for s, values in zip(played.samples, verdict.logprobs):
+        sampled = s.sampled.astype(bool)
+        assert values.shape == (len(s.completion_tokens),) and np.all(values[~sampled] == 0)
+        assert np.all(values[sampled] <= 0) and np.max(np.abs(values[sampled] - s.logprobs[sampled])) < 0.5
 
 
 def _target(played, tokenizer) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ def _validator(tmp_path, device: str, **kwargs):
     from gpu_workers.validator import Validator
 
     return Validator(
-        ValidatorConfig(orchestrator_url="http://127.0.0.1:9", device=device),
+        ValidatorConfig(orchestrator_url="http://127.0.0.1:9", device=device, allow_uncalibrated=True),
         WorkerConfig(max_tokens=16),
         DataConfig(samples_per_prompt=2, max_prompt_len=64, max_new_tokens=16),
         ShardcastConfig(),
@@ -103,30 +103,41 @@ def test_the_device_reaches_the_prefill_the_validator_loads(tmp_path, tiny_model
         assert prefill.batch_tokens == CPU_BATCH_TOKENS
 
 
-def test_an_uncalibrated_bfloat16_replay_pool_is_told_to_measure_its_model(tmp_path, caplog):
-    """The bfloat16 defaults were set on tiny random policies; a trained policy's honest workers may exceed them
-    (docs/verifiable-sampling.md, 'Calibrating a pool'): the validator says so at start, and not once calibrated."""
+def test_an_uncalibrated_bfloat16_replay_pool_s_validator_refuses_to_start(tmp_path, tiny_model, caplog):
+    """A bfloat16/float16 replay pool's validator needs a calibration of the pool's model (`intellect calibrate`:
+    docs/verifiable-sampling.md, 'Calibrating a pool'): without one it refuses to start, saying what to run; with
+    one of the model it starts; float32 pools and `allow_uncalibrated` need none (the latter warns)."""
+    from bridge.weights import model_digest
+    from gpu_workers.calibration import CalibrationError
     from gpu_workers.validator import Validator
 
-    def start(dtype: str, tolerance: float | None) -> list[str]:
+    model = tiny_model()
+
+    def start(dtype: str, **validator) -> list[str]:
         caplog.clear()
-        with caplog.at_level("WARNING", logger="validator"):
+        with caplog.at_level("INFO", logger="validator"):
             v = Validator(
-                ValidatorConfig(
-                    orchestrator_url="http://127.0.0.1:9", device="cpu", dtype=dtype, replay_logit_tolerance=tolerance
-                ),
+                ValidatorConfig(orchestrator_url="http://127.0.0.1:9", device="cpu", dtype=dtype, **validator),
                 WorkerConfig(max_tokens=16, dtype=dtype),
                 DataConfig(samples_per_prompt=2, max_prompt_len=64, max_new_tokens=16),
                 ShardcastConfig(),
                 synthetic_tasks("sort", 8, 0, 3),
+                model_dir=model,
                 key_path=tmp_path / "v.key",
                 weights_dir=tmp_path / "weights",
-                store=str(tmp_path / f"store-{dtype}-{tolerance}"),
+                store=str(tmp_path / f"store-{dtype}"),
                 stop=Stop(install=False),
             )
             v.client.close()
-        return [r.getMessage() for r in caplog.records if "replay_margin.py" in r.getMessage()]
+        return [r.getMessage() for r in caplog.records]
 
-    assert len(start("bfloat16", None)) == 1
-    assert start("bfloat16", 0.35) == []
-    assert start("float32", None) == []
+    with pytest.raises(CalibrationError, match="intellect calibrate"):
+        start("bfloat16")
+    with pytest.raises(CalibrationError, match="another|intellect calibrate"):
+        start("bfloat16", calibrated_model="0" * 64, calibrated_dtype="bfloat16")
+    with pytest.raises(CalibrationError, match="float16"):
+        start("float16", calibrated_model=model_digest(model), calibrated_dtype="bfloat16")
+    assert any("calibrated for model" in m for m in start("bfloat16", calibrated_model=model_digest(model),
+                                                          calibrated_dtype="bfloat16"))  # fmt: skip
+    assert any("allow_uncalibrated" in m for m in start("bfloat16", allow_uncalibrated=True))
+    assert any("no calibration needed" in m for m in start("float32"))

@@ -21,6 +21,7 @@ ALL_COMMANDS = [
     "worker",
     "validator",
     "orchestrator",
+    "calibrate",
     "shardcast",
     "export",
     "import",

@@ -55,6 +55,23 @@ def test_later_sources_override_key_by_key(tmp_path):
     assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.run.name) == (1e-5, 9, "from-flag")
 
 
+def test_included_files_come_first_and_the_including_file_wins(tmp_path):
+    """A recipe takes its calibration (a fragment `intellect calibrate` writes) with `include`."""
+    fragment = tmp_path / "calibration.toml"
+    fragment.write_text("[validator]\nreplay_logit_tolerance = 0.35\n\n[orchestrator]\nnear_tie_rate = 0.0024\n")
+    recipe = write(tmp_path, f'include = ["{fragment}"]\n\n[orchestrator]\nnear_tie_rate = 0.003\n')
+    cfg = load_config(recipe, env={})
+    assert (cfg.validator.replay_logit_tolerance, cfg.orchestrator.near_tie_rate) == (0.35, 0.003)
+    fragment.write_text("[validator]\nreplay_logit_tolerance = -1\n")  # an error names the included file
+    assert str(fragment) in error_of(recipe)
+    fragment.write_text(f'include = "{recipe}"\n')
+    assert "includes itself" in error_of(recipe)
+    recipe.write_text(f'include = ["{tmp_path / "missing.toml"}"]\n')
+    assert "missing.toml" in error_of(recipe) and f"included by {recipe}" in error_of(recipe)
+    recipe.write_text("include = [1]\n")
+    assert "must be a path or a list of paths" in error_of(recipe)
+
+
 def test_env_defaults_to_os_environ(monkeypatch):
     monkeypatch.setenv("INTELLECT_OPTIM__LR", "1e-6")
     assert load_config(None).optim.lr == 1e-6
@@ -264,6 +281,32 @@ def test_issue_defaults():
     v = cfg.validator
     assert (v.max_exp_mismatches, v.max_mantissa_err_mean, v.max_mantissa_err_median) == (38, 10, 8)
     assert cfg.orchestrator.host == "127.0.0.1"
+
+
+def test_a_pool_is_safe_by_default():
+    """Issue 49's defaults as shipped: a bfloat16 replay pool's validator refuses to start without a calibration
+    and, calibrated, without the near-tie ledger; float32 needs neither; a pool's learner divides by the
+    validator's logprobs unless "inference" trusts the workers, and "validator" needs a pool."""
+    from gpu_workers.calibration import calibration_problem
+    from intellect.train import engine_logprobs_source
+
+    cfg = Config()
+    assert (cfg.worker.sampler, cfg.worker.dtype, cfg.validator.allow_uncalibrated) == ("replayable", "bfloat16", False)
+    refusal = calibration_problem(cfg.validator, cfg.worker, None, cfg.orchestrator.near_tie_rate)
+    assert refusal is not None and "intellect calibrate" in refusal
+    calibrated = cfg.validator.model_copy(update={"calibrated_model": "ab" * 32, "calibrated_dtype": "bfloat16"})
+    assert cfg.orchestrator.near_tie_rate is None  # the ledger's rate comes from the calibration, never a guess
+    assert "near_tie_rate" in calibration_problem(calibrated, cfg.worker, None, cfg.orchestrator.near_tie_rate)
+    fp32 = cfg.worker.model_copy(update={"dtype": "float32"})
+    assert calibration_problem(cfg.validator, fp32, None, None) is None
+
+    assert (cfg.trainer.accepted_from, cfg.loss.logprob_source) == ("orchestrator", "recompute")
+    assert engine_logprobs_source(cfg) == "validator"  # TIS and the mismatch masks divide by the validator's
+    assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "validator"], env={})) == "validator"
+    assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "inference"], env={})) == "worker"
+    single_box = ["--trainer.accepted_from", "store"]
+    assert engine_logprobs_source(load_config(None, single_box, env={})) == "worker"
+    assert "trainer.accepted_from" in error_of(None, [*single_box, "--loss.logprob_source", "validator"])
 
 
 def test_every_field_is_documented_and_sections_forbid_extra_keys():

@@ -130,6 +130,7 @@ def non_default_config(tmp_path: Path) -> Config:
     w["orchestrator_url"] = values["validator"]["orchestrator_url"] = "http://127.0.0.1:9"
     values["validator"]["store_url"] = str(tmp_path / "store")
     values["validator"]["device"] = "cpu"  # a device every machine has (the default is "auto")
+    values["validator"]["calibrated_model"] = "ab" * 32  # a digest's form (allow_uncalibrated: not checked)
     values["run"]["dir"] = tmp_path / "run"
     cfg = Config(**values)
     path = tmp_path / "everything.toml"

@@ -82,6 +82,31 @@ def test_children_die_with_the_launcher(tmp_path):
     pytest.fail("the child outlived its launcher")
 
 
+def test_run_refuses_a_bfloat16_replay_pool_without_a_calibration_of_its_base_model(tmp_path, tiny_model):
+    """`intellect run` of a bfloat16 replay pool stops before it starts anything, naming the model RL starts from
+    (the warm start's export, when there is one) and the command to run; a float32 pool, or one that allows it,
+    goes on."""
+    from bridge.weights import model_digest
+
+    model = tiny_model()
+    pool = {"model.path": model, "worker.dtype": "bfloat16", "validator.dtype": "bfloat16"}
+    la = launcher(tmp_path, **pool, **{"run.sft_steps": 5})
+    with pytest.raises(RoleFailed, match="intellect calibrate") as err:
+        la.check_calibration()
+    assert f"--model {la.sft_dir}" in str(err.value)  # the warm start's export is the pool's base model
+    launcher(tmp_path, **{**pool, "worker.dtype": "float32", "validator.dtype": "float32"}).check_calibration()
+    launcher(tmp_path, **pool, **{"validator.allow_uncalibrated": "true"}).check_calibration()
+    calibrated = {
+        **pool,
+        "validator.calibrated_model": model_digest(model),
+        "validator.calibrated_dtype": "bfloat16",
+        "orchestrator.near_tie_rate": 0.002,
+    }
+    launcher(tmp_path, **calibrated).check_calibration()
+    with pytest.raises(RoleFailed, match="near_tie_rate"):  # the ledger left out of the recipe
+        launcher(tmp_path, **{**calibrated, "orchestrator.near_tie_rate": "none"}).check_calibration()
+
+
 def test_workers_get_no_store_credentials_or_pool_secrets(monkeypatch, tmp_path):
     """Workers upload their batches: the launcher's worker processes inherit none of the store's credentials
     (nor the admin token) that the trusted roles read the store and the orchestrator with."""
