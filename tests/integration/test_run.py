@@ -172,18 +172,19 @@ def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model, s3):
     assert not any(r.get("invalid_batches") for r in records), [r for r in records if r.get("invalid_batches")]
     assert all("mismatch_kl" in r for r in records)
 
-    # the batches are in the bucket, every one of a version the retention keeps (the last step pruned
-    # versions below 5 - 2 + 1) unless its upload ended after that prune (an assignment of version 2 or 3 still
-    # in the async window when the run ended); the workers never held the bucket's credentials
+    # the batches are in the bucket, every one of a version the retention keeps (the last step, index 4, pruned
+    # versions below 4 - 2 + 1 = 3) unless its upload ended after that prune (an assignment still in the async
+    # window when the run ended); the workers never held the bucket's credentials
     stored = s3.snapshot("run/")
     committed = [key.split("/")[1:3] for key in stored if key.endswith("/COMMIT")]
     assert committed and max(int(v[1:]) for v, _ in committed) >= 4, sorted(committed)
     last = records[-1]
+    floor = (last["step"] - 1) - 2 + 1
     pruned_at = last["time"] - last["step_s"]  # the pipeline prunes as it hands the step its batch
     with sqlite3.connect(run / "orchestrator.db") as db:
         announced = dict(db.execute("SELECT batch_id, announced_at FROM assignments WHERE batch_id IS NOT NULL"))
-    kept_old = [(v, b, announced.get(b)) for v, b in committed if int(v[1:]) < 4]
-    assert all(at is not None and at > pruned_at for _, _, at in kept_old), (pruned_at, kept_old)
+    kept_old = [(v, b, announced.get(b)) for v, b in committed if int(v[1:]) < floor]
+    assert all(at is not None and at > pruned_at for _, _, at in kept_old), (floor, pruned_at, kept_old)
     assert any(r.get("pruned_batches", 0) > 0 for r in learner_records(run))
     assert "uploaded batch" in (run / "logs" / "worker0.log").read_text()
     final = Path(summary["final_policy"])

@@ -302,7 +302,7 @@ def test_a_validator_judges_with_the_pinned_weights_only(tmp_path, tiny_model):
             cluster.origin(tmp_path / "hostile", name="hostile"),
         )
         v = Validator(
-            ValidatorConfig(orchestrator_url="http://127.0.0.1:9", dtype="float32"),
+            ValidatorConfig(orchestrator_url="http://127.0.0.1:9", dtype="float32", allow_uncalibrated=True),
             WorkerConfig(temperature=1.0, max_tokens=8),
             DataConfig(samples_per_prompt=2, max_prompt_len=56, max_new_tokens=8),
             ShardcastConfig(timeout_s=5, direct_io=False),

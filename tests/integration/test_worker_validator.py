@@ -132,7 +132,10 @@ class Pool:
         return (self.tmp / "logs" / f"{name}.log").read_text(errors="replace")
 
     def batches(self, status: str) -> list:
-        return self.admin.all_batches(status, after=0)[0]
+        listed = self.admin.all_batches(status, after=0)[0]
+        if status == "accepted" and listed:  # the test plays the learner: it takes what it reads (frees the window)
+            self.admin.announce_policy(self.admin.policy().version, consumed=[b.batch_id for b in listed][-4096:])
+        return listed
 
     def close(self) -> None:
         for proc in self.procs.values():
