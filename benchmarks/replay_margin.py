@@ -19,8 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -38,40 +36,11 @@ def main() -> int:
     p.add_argument("--rate-safety", type=float, default=2.0)
     args, overrides = p.parse_known_args()
 
-    from transformers import AutoTokenizer
-
-    from gpu_workers.calibrate import measure
-    from gpu_workers.config import completion_cap
-    from gpu_workers.tasks import prompt_tokens
+    from intellect.calibrate_cli import measure_pool
     from intellect.config_io import load_config
-    from intellect.tasks_setup import training_tasks
 
     cfg = load_config(args.config, overrides)
-    model = args.model or Path(cfg.model.path)
-    tie_samples = args.tie_samples if args.tie_samples is not None else args.samples
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tasks = training_tasks(cfg.data)
-    picks = np.random.default_rng(0).integers(0, len(tasks), max(args.samples, tie_samples))
-    prompts = [prompt_tokens(tasks[int(i)], tokenizer, 0, cfg.data.system_prompt) for i in picks]
-    group = cfg.data.samples_per_prompt
-    cal = measure(
-        model,
-        prompts,
-        worker_dtype=cfg.worker.dtype,
-        validator_dtype=cfg.validator.dtype,
-        temperature=cfg.worker.temperature,
-        top_p=cfg.worker.top_p,
-        group=group,
-        per_batch=cfg.orchestrator.prompts_per_assignment * group,
-        max_tokens=args.max_tokens or min(completion_cap(cfg.worker, cfg.data), 256),
-        samples=args.samples,
-        tie_samples=tie_samples,
-        batch=args.batch,
-        logprobs=args.logprobs,
-        safety=args.safety,
-        tie_quantile=args.tie_quantile,
-        rate_safety=args.rate_safety,
-    )
+    cal = measure_pool(cfg, args.model or Path(cfg.model.path), args)
     print(json.dumps(cal.report()))
     return 0
 

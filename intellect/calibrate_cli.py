@@ -133,15 +133,51 @@ def _print_table(cal, out: Path, console) -> None:
     console.print(f'written: {out} (include it in the pool\'s recipe: include = ["{out}"])')
 
 
-def run(args: argparse.Namespace) -> int:
+def measure_pool(cfg, model: Path, args: argparse.Namespace, progress=None):
+    """The calibration's measurement (`gpu_workers.calibrate.measure`) on the pool's training prompts, at its
+    temperature, top-p, dtypes and batch shape; `args` holds the measurement's options (samples, tie_samples,
+    batch, max_tokens, logprobs, safety, tie_quantile, rate_safety), as `intellect calibrate` and
+    benchmarks/replay_margin.py parse them."""
     import numpy as np
+    from transformers import AutoTokenizer
 
+    from gpu_workers.calibrate import measure
+    from gpu_workers.config import completion_cap
+    from gpu_workers.tasks import prompt_tokens
+    from intellect.tasks_setup import training_tasks
+
+    tie_samples = args.samples if args.tie_samples is None else args.tie_samples
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    tasks = training_tasks(cfg.data)
+    picks = np.random.default_rng(0).integers(0, len(tasks), max(args.samples, tie_samples))
+    prompts = [prompt_tokens(tasks[int(i)], tokenizer, 0, cfg.data.system_prompt) for i in picks]
+    group = cfg.data.samples_per_prompt
+    return measure(
+        model,
+        prompts,
+        worker_dtype=cfg.worker.dtype,
+        validator_dtype=cfg.validator.dtype,
+        temperature=cfg.worker.temperature,
+        top_p=cfg.worker.top_p,
+        group=group,
+        per_batch=cfg.orchestrator.prompts_per_assignment * group,
+        max_tokens=args.max_tokens or min(completion_cap(cfg.worker, cfg.data), 256),
+        samples=args.samples,
+        tie_samples=tie_samples,
+        batch=args.batch,
+        logprobs=args.logprobs,
+        safety=args.safety,
+        tie_quantile=args.tie_quantile,
+        rate_safety=args.rate_safety,
+        progress=progress,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
     from bridge.weights import WeightsError, model_digest
     from gpu_workers.calibration import needs_calibration
-    from gpu_workers.config import completion_cap
     from intellect.cli import config_from_args
     from intellect.config import ConfigError
-    from intellect.tasks_setup import training_tasks
 
     cfg = config_from_args(args)
     model = args.model or Path(cfg.model.path)
@@ -156,36 +192,8 @@ def run(args: argparse.Namespace) -> int:
             "calibration (its validators start without one); measuring anyway",
             file=sys.stderr,
         )
-    from transformers import AutoTokenizer
-
-    from gpu_workers.calibrate import measure
-    from gpu_workers.tasks import prompt_tokens
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    tasks = training_tasks(cfg.data)
-    picks = np.random.default_rng(0).integers(0, len(tasks), max(args.samples, args.tie_samples))
-    prompts = [prompt_tokens(tasks[int(i)], tokenizer, 0, cfg.data.system_prompt) for i in picks]
-    group = cfg.data.samples_per_prompt
     with _Bar() as bar:
-        cal = measure(
-            model,
-            prompts,
-            worker_dtype=cfg.worker.dtype,
-            validator_dtype=cfg.validator.dtype,
-            temperature=cfg.worker.temperature,
-            top_p=cfg.worker.top_p,
-            group=group,
-            per_batch=cfg.orchestrator.prompts_per_assignment * group,
-            max_tokens=args.max_tokens or min(completion_cap(cfg.worker, cfg.data), 256),
-            samples=args.samples,
-            tie_samples=args.tie_samples,
-            batch=args.batch,
-            logprobs=args.logprobs,
-            safety=args.safety,
-            tie_quantile=args.tie_quantile,
-            rate_safety=args.rate_safety,
-            progress=bar,
-        )
+        cal = measure_pool(cfg, model, args, progress=bar)
     command = " ".join(map(str, ["intellect calibrate", args.config or "", "--model", model, *args.overrides]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(fragment(cal, digest, command))
