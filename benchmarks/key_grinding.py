@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from poisoning import SELECTION_POOL, TICK_S, SimClock, SimPool, honest_rewards  # noqa: E402
+from poisoning import SELECTION_POOL, TICK_S, SimClock, SimLearner, SimPool, honest_rewards  # noqa: E402
 
 
 def _predicted(key_hex: str, version: int, prompts: int, samples: int, num_tasks: int):
@@ -85,7 +85,6 @@ class Grinder:
         self.stats["registered"] += 1
 
     def step(self) -> None:
-        from bridge.protocol import BatchAnnouncement
 
         if self.node is None:
             self._grind()
@@ -100,22 +99,28 @@ class Grinder:
         self.stats["if_public"].append(float(np.mean(honest_rewards(public, self.difficulty))))
         rewards = honest_rewards(a, self.difficulty)
         batch_id = f"{self.node.node_key[:16]}-1"
-        n = len(rewards)
-        self.node.announce_batch(
-            BatchAnnouncement(
-                batch_id=batch_id,
-                assignment_id=a.id,
-                version=a.version,
-                num_samples=n,
-                num_tokens=10 * n,
-                store_path=f"file:///store/v{a.version:06d}/{batch_id}",
-                sha256="ab" * 32,
-            )
-        )
+        announce(self.node, a, batch_id, len(rewards))
         self.pool.rewards[batch_id] = ("grinder", rewards)
         self.stats["announced"] += 1
         self.node.deregister()  # nothing open is left: no strike; the next batch comes from a new ground key
         self.node = None
+
+
+def announce(node, a, batch_id: str, n: int) -> None:
+    """Announce a batch of `n` samples for assignment `a` (rewards live in the simulation, not in a store)."""
+    from bridge.protocol import BatchAnnouncement
+
+    node.announce_batch(
+        BatchAnnouncement(
+            batch_id=batch_id,
+            assignment_id=a.id,
+            version=a.version,
+            num_samples=n,
+            num_tokens=10 * n,
+            store_path=f"file:///store/v{a.version:06d}/{batch_id}",
+            sha256="ab" * 32,
+        )
+    )
 
 
 def _summary(values: list[float]) -> dict:
@@ -127,7 +132,7 @@ def _summary(values: list[float]) -> dict:
 
 
 def grinding_run(batches: int, keys: int, honest: int, seed: int, beta: float) -> dict:
-    from bridge.protocol import BatchAnnouncement, Verdict
+    from bridge.protocol import Verdict
 
     rng = np.random.default_rng(seed)
     difficulty = rng.beta(beta, beta, size=int(SELECTION_POOL["orchestrator.num_tasks"]))
@@ -139,7 +144,7 @@ def grinding_run(batches: int, keys: int, honest: int, seed: int, beta: float) -
         workers = [pool.join("worker") for _ in range(honest)]
         grinder = Grinder(pool, rng, keys, difficulty)
         trained: list[tuple[str, float]] = []
-        cursor, version, read_since_step, made = 0, 0, 0, 0
+        learner, made = SimLearner(pool), 0
         for _ in range(100 * batches):
             if grinder.stats["announced"] >= batches:
                 break
@@ -149,32 +154,15 @@ def grinding_run(batches: int, keys: int, honest: int, seed: int, beta: float) -
                     a, made = work[0], made + 1
                     rewards = honest_rewards(a, difficulty)
                     batch_id = f"honest{i}-{made}"
-                    n = len(rewards)
-                    node.announce_batch(
-                        BatchAnnouncement(
-                            batch_id=batch_id,
-                            assignment_id=a.id,
-                            version=a.version,
-                            num_samples=n,
-                            num_tokens=10 * n,
-                            store_path=f"file:///store/v{a.version:06d}/{batch_id}",
-                            sha256="ab" * 32,
-                        )
-                    )
+                    announce(node, a, batch_id, len(rewards))
                     pool.rewards[batch_id] = (f"honest{i}", rewards)
             grinder.step()
             while (claim := validator.claim().batch) is not None:
                 _, rewards = pool.rewards[claim.batch_id]
                 validator.verdict(claim.batch_id, Verdict(accepted=True, rewards=rewards, num_tokens=10 * len(rewards)))
-            page = pool.admin.batches(status="accepted", after=cursor, limit=1000)
-            cursor = page.next_after or cursor
-            for record in page.batches:
+            for record in learner.poll():
                 name, rewards = pool.rewards[record.batch_id]
                 trained.append((name, sum(rewards) / len(rewards)))
-                read_since_step += 1
-                if read_since_step >= pool.per_step:
-                    version, read_since_step = version + 1, 0
-                    pool.admin.announce_policy(version)
             clock.t += TICK_S
             pool.svc.sweep()
         ledger = pool.admin.ledger(limit=10_000).entries

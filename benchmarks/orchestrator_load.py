@@ -213,16 +213,17 @@ async def validator(client: AsyncOrchestratorClient, rec: Recorder, stop: asynci
 
 
 async def learner(client: AsyncOrchestratorClient, rec: Recorder, stop: asyncio.Event) -> None:
-    after, version, last_announce = 0, 0, time.monotonic()
+    after, version, last_announce, taken = 0, 0, time.monotonic(), []
     while not stop.is_set():
         page = await rec.timed(
             "learner_batches", client.batches(min_version=max(0, version - 2), after=after, limit=1000)
         )
         after = page.next_after if page else after
-        if time.monotonic() - last_announce >= 10:
+        taken += [b.batch_id for b in page.batches] if page else []
+        if time.monotonic() - last_announce >= 10:  # a step took what was read since the last one
             version += 1
-            await rec.timed("policy", client.announce_policy(version))
-            last_announce = time.monotonic()
+            await rec.timed("policy", client.announce_policy(version, consumed=taken[-4096:]))
+            last_announce, taken = time.monotonic(), []
         await asyncio.sleep(1.0)
 
 

@@ -747,6 +747,26 @@ class SimPool:
         return node
 
 
+class SimLearner:
+    """The learner's side of the simulation: it reads the accepted batches, and every `per_step` of them make a
+    step, announced as the next version with the batches it took (which frees their room in the async window)."""
+
+    def __init__(self, pool: SimPool):
+        self.pool, self.cursor, self.version, self.taken = pool, 0, 0, []
+
+    def poll(self) -> list:
+        """The accepted batches not read before, oldest first."""
+        page = self.pool.admin.batches(status="accepted", after=self.cursor, limit=1000)
+        self.cursor = page.next_after or self.cursor
+        for record in page.batches:
+            self.taken.append(record.batch_id)
+            if len(self.taken) >= self.pool.per_step:
+                self.version += 1
+                self.pool.admin.announce_policy(self.version, consumed=self.taken)
+                self.taken = []
+        return page.batches
+
+
 def honest_rewards(a, difficulty) -> list[float]:
     """The rewards an honest generation of assignment `a` earns: sample i of prompt p succeeds with its task's
     probability, drawn from the sample's assigned seed (who generates it does not matter)."""
@@ -876,7 +896,7 @@ def selection_run(
         if kind is not None:
             workers.append(SimWorker(pool, "attacker", kind, k, abandon, fresh_keys, mean))
         trained: list[tuple[str, float]] = []
-        cursor, version, read_since_step = 0, 0, 0
+        learner = SimLearner(pool)
         order = list(range(len(workers)))
         for _ in range(int(hours * 3600 / TICK_S)):
             rng.shuffle(order)  # no worker always first to the window's room
@@ -885,15 +905,9 @@ def selection_run(
             while (claim := validator.claim().batch) is not None:
                 name, rewards = pool.rewards[claim.batch_id]
                 validator.verdict(claim.batch_id, Verdict(accepted=True, rewards=rewards, num_tokens=10 * len(rewards)))
-            page = pool.admin.batches(status="accepted", after=cursor, limit=1000)
-            cursor = page.next_after or cursor
-            for record in page.batches:
+            for record in learner.poll():
                 name, rewards = pool.rewards[record.batch_id]
                 trained.append((name, sum(rewards) / len(rewards)))
-                read_since_step += 1
-                if read_since_step >= pool.per_step:
-                    version, read_since_step = version + 1, 0
-                    pool.admin.announce_policy(version)
             clock.t += TICK_S
             pool.svc.sweep()
         ledger = {e.node_key: e for e in pool.admin.ledger(limit=10_000).entries}
