@@ -438,6 +438,7 @@ def main() -> None:
             group.rmdir()
         moto.close()
         shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     results["load_end"] = load()
     text = json.dumps(results, indent=1)
     if args.out:
