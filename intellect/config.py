@@ -146,6 +146,11 @@ class Config(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if "logprob_source" not in self.loss.model_fields_set:
+            # unset: a pool takes pi_old from its validators' recomputation (learns as well as the workers' claims
+            # on the demo, and no worker can move it: benchmarks/RESULTS.md); a single box without validators
+            # recomputes it in the learner
+            self.loss.logprob_source = "validator" if self.trainer.accepted_from == "orchestrator" else "recompute"
         batch = self.data.prompts_per_step * self.data.samples_per_prompt
         _require(
             self.trainer.batch_size == batch,

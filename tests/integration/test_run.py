@@ -163,8 +163,8 @@ def test_kill_9_everything_then_resume_to_the_end(tmp_path, tiny_model, s3):
     assert before <= accepted_in_db(run), "a batch accepted before the kill is no longer recorded as accepted"
     with sqlite3.connect(run / "orchestrator.db") as db:
         assert db.execute("SELECT count(*) FROM assignments WHERE state = 'accepted'").fetchone()[0] >= len(before)
-        # every accepted batch has the validator's logprobs beside it, and the learner (logprob_source "recompute":
-        # its mismatch statistics divide by them) read each one under the digest its verdict carried
+        # every accepted batch has the validator's logprobs beside it, and the learner (logprob_source "validator", a
+        # pool's default: pi_old is theirs) read each one under the digest its verdict carried
         unsalted, no_logprobs = db.execute(
             "SELECT sum(salt IS NULL), sum(logprobs_sha256 IS NULL) FROM assignments WHERE state = 'accepted'"
         ).fetchone()

@@ -300,12 +300,16 @@ def test_a_pool_is_safe_by_default():
     fp32 = cfg.worker.model_copy(update={"dtype": "float32"})
     assert calibration_problem(cfg.validator, fp32, None, None) is None
 
-    assert (cfg.trainer.accepted_from, cfg.loss.logprob_source) == ("orchestrator", "recompute")
-    assert engine_logprobs_source(cfg) == "validator"  # TIS and the mismatch masks divide by the validator's
+    # unset, a pool's pi_old is the validators' (no worker moves it); a single box without validators recomputes it
+    assert (cfg.trainer.accepted_from, cfg.loss.logprob_source) == ("orchestrator", "validator")
+    assert engine_logprobs_source(cfg) == "validator"
+    recompute = load_config(None, ["--loss.logprob_source", "recompute"], env={})
+    assert engine_logprobs_source(recompute) == "validator"  # TIS and the mismatch masks divide by the validator's
     assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "validator"], env={})) == "validator"
     assert engine_logprobs_source(load_config(None, ["--loss.logprob_source", "inference"], env={})) == "worker"
     single_box = ["--trainer.accepted_from", "store"]
     assert engine_logprobs_source(load_config(None, single_box, env={})) == "worker"
+    assert load_config(None, single_box, env={}).loss.logprob_source == "recompute"
     assert "trainer.accepted_from" in error_of(None, [*single_box, "--loss.logprob_source", "validator"])
 
 
