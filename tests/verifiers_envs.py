@@ -65,8 +65,16 @@ def few_turns(completion, state, **kwargs) -> float:
     return 1.0 / max(1, state["turn"])
 
 
+def env_replies(completion, **kwargs) -> float:
+    return float(sum(m["role"] == "user" for m in completion))
+
+
+def logged_guesses(state, **kwargs) -> float:
+    return float(len(state["guesses"]))
+
+
 def load_guess(max_turns: int = 6, hints: bool = False, system_prompt: str | None = "Answer with one number."):
-    rubric = vf.Rubric(funcs=[correct, few_turns], weights=[1.0, 0.5])
+    rubric = vf.Rubric(funcs=[correct, few_turns, env_replies, logged_guesses], weights=[1.0, 0.5, 0.01, 0.001])
     return GuessEnv(hints=hints, dataset=_rows(), system_prompt=system_prompt, rubric=rubric, max_turns=max_turns)
 
 

@@ -336,6 +336,7 @@ class VerifiersEpisode(Episode):
         self.done_before_start = bool(self._call(self.env.is_completed, self.messages, self.state))
         self.pending: list[dict] | None = None  # the environment's messages after the last turn (not yet shown)
         self.state_before_pending: dict | None = None
+        self.scored: RewardResult | None = None
 
     @contextlib.contextmanager
     def _guarded(self):
@@ -419,6 +420,12 @@ class VerifiersEpisode(Episode):
         return [EnvTurn(m["content"], role=m["role"]) for m in env_messages]
 
     def reward(self) -> RewardResult:
+        """The rubric's score, computed once (the episode has ended; `success` asks again)."""
+        if self.scored is None:
+            self.scored = self._reward()
+        return self.scored
+
+    def _reward(self) -> RewardResult:
         completion, state = list(self.completion), self.state
         if self.pending is not None:  # the protocol ended the episode: the last messages were never shown
             completion = completion[: len(completion) - len(self.pending)]

@@ -140,17 +140,21 @@ def test_a_multiturn_env_plays_as_verifiers_itself_plays_it(tokenizer, stop):
     script = ["7", "I think 3", "hmm", "5"]
     r = play_one(protocol, TASK, 11, script)
     prompt, completion, state, score = reference(adapter.env, [(t, []) for t in script])
-    # verifiers: Too high, Too low, asks for a number, then complete; reward 1 + 0.5 / 4 turns
+    # verifiers: Too high, Too low, asks for a number, then complete; reward 1 + 0.5 / 4 turns + 0.01 * 3 replies
+    # + 0.001 * 3 guesses logged in its state
     assert [m["content"] for m in completion if m["role"] == "user"] == [
         "Too high.",
         "Too low.",
         "Please answer with a number.",
     ]
-    assert score.reward == pytest.approx(1.125) and state["turn"] == 4
+    assert score.reward == pytest.approx(1.158) and state["turn"] == 4
     assert r.turns == 4 and r.ended == "the environment ended the episode" and r.finish == FINISH_STOP
     assert tokenizer.decode(r.tokens, skip_special_tokens=False) == conversation_tokens(tokenizer, prompt + completion)
     assert r.reward == pytest.approx(score.reward) and r.success
-    assert r.reason == "verifiers rubric: correct=1, few_turns=0.25"
+    assert r.reason == "verifiers rubric: correct=1, few_turns=0.25, env_replies=3, logged_guesses=3"
+    episode = adapter.start(TASK, 11)
+    assert [episode.respond(t) is None for t in script] == [False, False, False, True]
+    assert episode.prompt_messages() == prompt and episode.completion == completion
     # the validator's re-run of the same environment accepts it and recomputes the reward
     j = judge(protocol, TASK, 11, r.tokens, r.sampled, r.prompt_len, r.finish)
     assert j.passed, j.reasons
@@ -178,7 +182,8 @@ def test_an_episode_our_limits_end_is_scored_as_verifiers_scores_it_at_that_many
     r = play_one(protocol_for(env("load_guess"), tokenizer, stop, max_turns=2), TASK, 3, script)
     _, completion, state, score = reference(env("load_guess", args={"max_turns": 2}).env, [(t, []) for t in script])
     assert r.turns == 2 and state["turn"] == 2 and completion[-1] == {"role": "assistant", "content": "3"}
-    assert r.reward == pytest.approx(score.reward) == pytest.approx(0.25) and not r.success
+    # 0.5 / 2 turns + 0.01 * 1 reply + 0.001 * 1 guess logged: the reply to turn 2 and its state are not scored
+    assert r.reward == pytest.approx(score.reward) == pytest.approx(0.261) and not r.success
 
 
 @needs_vf
@@ -203,6 +208,9 @@ def test_tool_calls_written_as_text_run_the_tools_as_the_chat_api_would(tokenize
     assert tool_outputs == ["5", "Paris", "'nope'"]  # the unknown tool: verifiers' error message (KeyError's)
     assert score.reward == pytest.approx(1.0 + 0.1 * 3)
     assert r.turns == 3 and r.reward == pytest.approx(score.reward)
+    episode = adapter.start(TASK, 5)
+    assert [episode.respond(t) is None for t in script] == [False, False, True]
+    assert episode.completion == completion and episode.prompt == prompt  # tool calls, ids, tool messages
     # the model is shown the tools and the call format in the system message
     text = tokenizer.decode(r.tokens[: r.prompt_len])
     assert '"name": "add"' in text and '"name": "capital"' in text and "<tool_call>" in text
