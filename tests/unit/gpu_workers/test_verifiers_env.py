@@ -237,6 +237,13 @@ def test_async_reward_functions_are_awaited(tokenizer, stop):
     with pytest.raises(TypeError):  # verifiers 0.1.2's own scoring does not await them
         asyncio.run(adapter.env.rubric.score_rollout([], completion, "5", state))
 
+    async def inside_a_running_loop():  # coroutines then run on a helper thread's loop
+        episode = adapter.start(TASK, 1)
+        assert episode.respond("9")[0].text == "Too high." and episode.respond("5") is None
+        return episode.reward().value
+
+    assert asyncio.run(inside_a_running_loop()) == pytest.approx(r.reward)
+
 
 @needs_vf
 def test_unseeded_randomness_is_drawn_from_the_task_and_seed(tokenizer, stop):
@@ -286,6 +293,7 @@ def test_network_and_processes_are_refused_while_the_environment_runs(tokenizer,
     [
         ({"load": "no_such_module:load"}, "cannot import 'no_such_module'"),
         ({"load": "verifiers_envs:load_nothing"}, "has no function 'load_nothing'"),
+        ({"load": "verifiers_envs"}, "module 'verifiers_envs' has no function 'load_environment'"),
         ({"load": ""}, 'expected "package.module:function"'),
         ({}, 'expected "package.module:function"'),
         ({"load": "verifiers_envs:load_not_an_env"}, "returned dict, not a verifiers MultiTurnEnv"),
