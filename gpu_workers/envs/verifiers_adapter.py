@@ -396,10 +396,12 @@ class VerifiersEpisode(Episode):
         self.messages.append(message)
         self.completion.append(message)
         self.state["turn"] += 1
-        max_turns = getattr(self.env, "max_turns", -1)
-        if self.done_before_start or (isinstance(max_turns, int) and 0 < max_turns <= self.state["turn"]):
+        if self.done_before_start:
             return None
-        if self._call(self.env.is_completed, self.messages, self.state):
+        if self._call(self.env.is_completed, self.messages, self.state):  # asked first, as verifiers' loop does
+            return None
+        max_turns = getattr(self.env, "max_turns", -1)
+        if isinstance(max_turns, int) and 0 < max_turns <= self.state["turn"]:
             return None
         try:
             before = copy.deepcopy(self.state)
