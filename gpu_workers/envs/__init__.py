@@ -2,11 +2,12 @@
 for the protocol a worker plays and a validator re-runs, `gpu_workers.envs.tokens` for the token layout).
 
 Shipped: `retry` and `guess` (`gpu_workers.envs.feedback`: the environment answers each attempt),
-and `python_tool` (`gpu_workers.envs.python_tool`: a sandboxed Python interpreter as a tool). An adapter for
-`verifiers`' classic MultiTurnEnv/ToolEnv is not written yet (the package is not installed here).
+`python_tool` (`gpu_workers.envs.python_tool`: a sandboxed Python interpreter as a tool), and `verifiers`
+(`gpu_workers.envs.verifiers_adapter`: an environment written against `verifiers`' classic MultiTurnEnv/ToolEnv
+API; the package is imported only when a pool names it).
 """
 
-from gpu_workers.envs import feedback, python_tool  # noqa: F401  (they register their environments)
+from gpu_workers.envs import feedback, python_tool, verifiers_adapter  # noqa: F401  (they register their environments)
 from gpu_workers.envs.base import (
     REGISTRY,
     Demonstration,

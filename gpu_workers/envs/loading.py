@@ -9,7 +9,7 @@ from gpu_workers.envs.base import Environment, get_environment
 
 
 def load_environment(name: str, config: Mapping[str, Any] | None = None) -> Environment:
-    """`data.env`: a registered name (retry, guess, python_tool). Raises ValueError naming what is wrong."""
+    """`data.env`: a registered name (retry, guess, python_tool, verifiers). Raises ValueError naming what is wrong."""
     import gpu_workers.envs  # noqa: F401  (registers the shipped environments)
 
     try:

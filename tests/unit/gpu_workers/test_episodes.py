@@ -261,7 +261,7 @@ def test_python_tool_runs_code_in_the_sandbox_and_the_re_run_gets_the_same_bytes
 def test_the_pool_config_names_a_shipped_environment_and_sizes_episodes():
     from gpu_workers.config import DataConfig, WorkerConfig, episode_limits, sample_caps
 
-    with pytest.raises(ValueError, match=r"data.env 'nope' is not one of guess, python_tool, retry"):
+    with pytest.raises(ValueError, match=r"data.env 'nope' is not one of guess, python_tool, retry, verifiers"):
         DataConfig(env="nope")
     with pytest.raises(ValueError, match="data.length_targets"):
         DataConfig(env="guess", length_targets=[8], max_new_tokens=16)
