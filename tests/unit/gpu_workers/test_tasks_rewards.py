@@ -84,6 +84,36 @@ def test_math_reward_uses_symbolic_equivalence():
     assert score(task, "no idea").value == 0.0
 
 
+def test_math_reference_answer_parses_however_starved_the_process(monkeypatch):
+    """math-verify's wall-clock alarm fires on a starved process: every time-limited parse times out here, as it
+    did on a worker at load 15 (a multi-turn episode's feedback then differed from its validator's). The reference
+    answer, trusted pool data, is parsed without the alarm; the completion keeps it (an attacker writes it)."""
+    import math_verify.parser
+    from math_verify.errors import TimeoutException
+
+    from gpu_workers.rewards import math as math_rewards
+
+    def starved(timeout_seconds=10):
+        def decorate(fn):
+            def wrapper(*args, **kwargs):
+                if timeout_seconds:
+                    raise TimeoutException("Operation timed out!")
+                return fn(*args, **kwargs)
+
+            return wrapper
+
+        return decorate
+
+    math_rewards._reference.cache_clear()
+    monkeypatch.setattr(math_verify.parser, "timeout", starved)
+    task = Task(prompt="6400?", reward="math", answer="6400")
+    result = score(task, "the answer is \\boxed{6400}")
+    assert "does not parse" not in result.reason  # the reference was read
+    assert (result.value, result.reason) == (0.0, "no answer found in the completion")  # the completion timed out
+    monkeypatch.undo()
+    assert score(task, "the answer is \\boxed{6400}").value == 1.0
+
+
 def test_exact_reward_reads_the_final_line():
     task = Task(prompt="Reverse the string: abc", reward="exact", answer="cba")
     assert score(task, "let me think\nAnswer: cba.").value == 1.0
