@@ -519,7 +519,7 @@ def main() -> int:
     p.add_argument("--envs", default="retry,guess,python_tool")
     p.add_argument("--batch", type=int, default=32, help="episodes per batch (an assignment)")
     p.add_argument("--max-turns", type=int, default=4)
-    p.add_argument("--turn-tokens", type=int, default=48, help="max_turn_tokens (a tool call needs ~40)")
+    p.add_argument("--turn-tokens", type=int, default=48, help="max_turn_tokens (the escape attempts need 96)")
     p.add_argument("--env-tokens", type=int, default=192, help="max_env_tokens (a sandbox error needs ~120)")
     p.add_argument("--total-tokens", type=int, default=512, help="max_total_tokens")
     p.add_argument("--attack-targets", type=int, default=2, help="samples edited per attack, env and dtype")
@@ -595,7 +595,7 @@ def main() -> int:
         log(f"{dtype}: honest {row['honest']['total']}; attacks")
         row["attacks"] = attacks(batches, prefill, dtype, tokenizer, args.attack_targets, secret)
         log(f"{dtype}: cost over {len(pairs)} batch pairs x {args.repeat}")
-        row["cost"] = cost(pairs, prefill, dtype, tokenizer, model, args.repeat)
+        row["cost"] = cost(pairs, prefill, dtype, tokenizer, model, args.repeat) if pairs else None
         result["dtypes"][dtype] = row
         log(f"{dtype}: {json.dumps(row)}")
         del prefill
