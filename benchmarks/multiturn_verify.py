@@ -25,18 +25,19 @@ episodes are one turn each (a random model never writes a ```python block: its t
   7 honest ones) is judged as above. Per attack: tried, batches rejected, the checks that failed the edited
   sample, the first reason, and whether the honest samples beside it still passed. The random model never
   writes a ```python block, so the tool attacks (forged tool output, sandbox escape) insert a tool call as a
-  first model turn before an honest python_tool sample's answer.
+  first model turn before an honest python_tool sample's answer; the escape programs are up to 65 tokens, so give
+  them `--turn-tokens 96` (with 48, most are rejected by the turn cap before the environment is compared).
 - cost: the first `--cost-batches` honest guess/retry batches of each dtype (no tool runs) against single-turn
   batches of the same total lengths made by the same engine: sample i's prompt is the first L_i - C tokens of
   multi-turn sample i's sequence (L_i its total length), completed with one cap C (the median completion length
   of the multi-turn batch), so both batches hold the same sequence lengths and the single-turn one samples C
   tokens per sample. `gpu_workers.checks.validate_batch` (termination, computation, sampling, replay, reward)
-  judges the single-turn batch. Each side is timed `--repeat` times, order alternating; medians. Counting:
+  judges the single-turn batch. Each side is timed `--repeat` times, order alternating; medians and best. Counting:
   "sampled tokens" are the tokens the model sampled (the `sampled` mask; every completion token of a single-turn
   sample); per sampled token divides the check's time by them, per total token by prompt + completion tokens.
   The episode re-run's own time (the environment's respond/score and rendering) is given apart.
 
-Prints one JSON object; progress goes to stderr.
+Prints one JSON object, the last line of stdout (vLLM logs to stdout too); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -503,6 +504,12 @@ def cost(pairs, prefill, dtype: str, tokenizer, model: Path, repeat: int) -> dic
         "single_s_per_total_token": per_total[1],
         "ratio_per_total_token": round(per_total[0] / per_total[1], 3),
         "ratio_per_sampled_token_without_rerun": round(((m - j) / counts["multi_sampled"]) / per_sampled[1], 3),
+        "ratio_per_sampled_token_best": round(
+            (min(multi_s) / counts["multi_sampled"]) / (min(single_s) / counts["single_sampled"]), 3
+        ),
+        "ratio_per_total_token_best": round(
+            (min(multi_s) / counts["multi_total"]) / (min(single_s) / counts["single_total"]), 3
+        ),
         "rounds_multi_s": [round(x, 4) for x in multi_s],
         "rounds_single_s": [round(x, 4) for x in single_s],
     }
