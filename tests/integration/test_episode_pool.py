@@ -104,6 +104,7 @@ def rerun_reward(tokenizer, tokens: list[int], prompt_len: int, sampled: np.ndar
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(1200)  # the waits below are bounded; on a starved machine vLLM's start alone took 5-8 minutes
 def test_a_guess_pool_accepts_the_workers_episodes_and_rejects_a_changed_environment_token(pool):
     from transformers import AutoTokenizer
 
