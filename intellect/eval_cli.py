@@ -1,4 +1,5 @@
-"""`intellect eval MODEL_DIR [CONFIG]`: pass@1 of a policy on the config's held-out tasks, through vLLM.
+"""`intellect eval MODEL_DIR [CONFIG]`: pass@1 of a policy on the config's held-out tasks (episode success with
+`data.env`), through vLLM.
 
 The held-out tasks are `intellect.tasks_setup.heldout_tasks(cfg.data)` (never a training prompt);
 `--task` and `--n` override `data.task` and `data.eval_tasks`. Greedy decoding by default; `--samples K
