@@ -130,3 +130,101 @@ def evaluate(
         correct=correct.reshape(len(tasks), per_task),
         by_target=by_target,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeEvalResult:
+    """Held-out episodes of a multi-turn pool (`evaluate_episodes`)."""
+
+    success_rate: float  # mean over episodes of Episode.success()
+    mean_reward: float
+    mean_turns: float  # model turns per episode
+    n: int  # tasks played
+    samples: int  # episodes per task
+    mean_completion_len: float  # sampled tokens per episode, every model turn's stop token included
+    episodes: list[dict]  # per episode, task-major: {"task", "seed", "turns": [{"role", "text"}], "success", ...}
+
+    def summary(self) -> dict:
+        """The eval record; `accuracy` is the success rate (what a run's charts and summaries read)."""
+        return {
+            "accuracy": self.success_rate,
+            "success_rate": self.success_rate,
+            "mean_reward": self.mean_reward,
+            "mean_turns": self.mean_turns,
+            "n": self.n,
+            "samples": self.samples,
+            "mean_completion_len": self.mean_completion_len,
+        }
+
+
+def evaluate_episodes(
+    engine,
+    protocol,
+    tasks: Sequence[Task],
+    *,
+    samples: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+) -> EpisodeEvalResult:
+    """Play `samples` episodes per task with `engine` through the episode protocol a worker plays
+    (`gpu_workers.envs.episode.play`: every model turn generated on the exact previous sequence, at its turn's
+    seed, stopping on the protocol's stop tokens; no proofs), the j-th episode of the evaluation at seed
+    `seed + j`; score each by its environment (reward, `Episode.success`)."""
+    from gpu_workers.envs.episode import play
+
+    if not tasks:
+        raise ValueError("evaluate: no tasks to play")
+    if samples < 1:
+        raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
+    if temperature == 0.0 and samples > 1:
+        raise ValueError(f"evaluate: greedy decoding (temperature 0) plays one episode per task; samples={samples}")
+    flat = [task for task in tasks for _ in range(samples)]
+    seeds = [seed + j for j in range(len(flat))]
+    stops = sorted(protocol.stop_token_ids)
+
+    def generate(prompts, turn_seeds, caps):
+        return engine.generate(
+            prompts,
+            turn_seeds,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=caps,
+            stop_token_ids=stops,
+            proofs=False,
+        )
+
+    rollouts = play(protocol, flat, seeds, generate)
+    episodes = []
+    for j, (r, s) in enumerate(zip(rollouts, seeds)):
+        turns, mask = [], np.asarray(r.sampled, np.uint8)
+        edges = np.flatnonzero(np.diff(np.concatenate([[-1], mask[r.prompt_len :], [-1]]))) + r.prompt_len
+        for a, b in zip(edges[:-1], edges[1:]):  # runs of model (sampled) and environment tokens, in order
+            ids = r.tokens[a:b]
+            if mask[a]:
+                turns.append({"role": "assistant", "text": protocol.decode(ids), "tokens": len(ids)})
+            else:
+                turns.append(
+                    {"role": "environment", "text": protocol.renderer.tokenizer.decode(ids), "tokens": len(ids)}
+                )
+        episodes.append(
+            {
+                "task": j // samples,
+                "seed": s,
+                "turns": turns,
+                "model_turns": r.turns,
+                "reward": r.reward,
+                "success": r.success,
+                "reason": r.reason,
+                "ended": r.ended,
+            }
+        )
+    return EpisodeEvalResult(
+        success_rate=float(np.mean([r.success for r in rollouts])),
+        mean_reward=float(np.mean([r.reward for r in rollouts])),
+        mean_turns=float(np.mean([r.turns for r in rollouts])),
+        n=len(tasks),
+        samples=samples,
+        mean_completion_len=float(np.mean([sum(r.sampled) for r in rollouts])),
+        episodes=episodes,
+    )

@@ -89,7 +89,10 @@ COMMANDS = (
         module="intellect.import_gguf",
     ),
     Command(
-        "eval", "pass@1 of a policy on held-out tasks, through vLLM", module="intellect.eval_cli", takes_config=True
+        "eval",
+        "pass@1 (episode success with data.env) of a policy on held-out tasks, through vLLM",
+        module="intellect.eval_cli",
+        takes_config=True,
     ),
     Command("sft", "supervised fine-tuning before RL", module="intellect.sft_cli", takes_config=True),
     Command("plot", "PNG charts of a run's metrics", module="intellect.plot"),

@@ -1,4 +1,5 @@
-"""`intellect eval MODEL_DIR [CONFIG]`: pass@1 of a policy on the config's held-out tasks, through vLLM.
+"""`intellect eval MODEL_DIR [CONFIG]`: pass@1 of a policy on the config's held-out tasks (episode success with
+`data.env`), through vLLM.
 
 The held-out tasks are `intellect.tasks_setup.heldout_tasks(cfg.data)` (never a training prompt);
 `--task` and `--n` override `data.task` and `data.eval_tasks`. Greedy decoding by default; `--samples K
@@ -9,6 +10,16 @@ runs in `worker.dtype`.
 With `data.length_targets` every task is asked once per target (stated in the prompt as workers state it)
 and the record adds `length_abs_err` (the mean over targets of mean |completion length - target|) and, per
 target T, `length_abs_err/T`, `length_mean/T` and `accuracy/T` (`gpu_workers.evaluate`).
+
+With `data.env` (a multi-turn pool) every held-out task is played as an episode of the pool's environment
+through the protocol a worker plays (`gpu_workers.evaluate.evaluate_episodes`: turn caps and limits of
+`gpu_workers.config.episode_limits`, the turn seeds, the environment turns appended as token ids), greedy or
+sampled as above, and scored by the environment: the record adds `success_rate` (the mean of
+`Episode.success`; `accuracy` is the same number, so a run's charts read it), `mean_reward` and `mean_turns`,
+and `--completions FILE` writes one JSON line per episode: {"prompt", "answer", "seed", "turns" (each
+{"role": "assistant" or "environment", "text", "tokens"}), "model_turns", "reward", "success", "reason",
+"ended"}; an assistant turn's text is what the environment was shown (its tokens decoded without special
+tokens). Replaying those turns through a fresh episode of the environment at that seed gives the same verdict.
 
 Prints one JSON line: {"accuracy", "n", "samples", "mean_completion_len", "model", "version", "task",
 "temperature", "seconds"}; with `--metrics FILE --step S` the same record, with "role": "eval", "step" and
@@ -90,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     version = model_version(args.model_dir)
+    if cfg.data.env is not None:
+        return _eval_episodes(args, cfg, tasks, tokenizer, version)
     t0 = time.perf_counter()
     engine = Engine(args.model_dir, version, cfg.worker.model_copy(update={"verify_swaps": 0}), cfg.model.max_seq_len)
     try:
@@ -140,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
             for task, texts, ok in zip(tasks, result.completions, result.correct):
                 row = {"prompt": task.prompt, "answer": task.answer, "completions": list(texts)}
                 f.write(json.dumps({**row, "correct": [bool(x) for x in ok]}) + "\n")
+    _finish(args, cfg, record)
+    return 0
+
+
+def _finish(args: argparse.Namespace, cfg, record: dict) -> None:
+    """Append the record to --metrics and print it."""
     if args.metrics is not None:
         from intellect.metrics import MetricsLog
 
@@ -147,4 +166,63 @@ def run(args: argparse.Namespace) -> int:
         metrics.write({"role": "eval", "step": args.step, "time": time.time(), **record})
         metrics.close()
     print(json.dumps(record), flush=True)
+
+
+def _eval_episodes(args: argparse.Namespace, cfg, tasks, tokenizer, version: int) -> int:
+    """A multi-turn pool's held-out tasks played as episodes (module docstring)."""
+    from gpu_workers.checks import stop_token_ids
+    from gpu_workers.config import episode_limits, sample_caps
+    from gpu_workers.engine import Engine
+    from gpu_workers.envs.episode import Protocol
+    from gpu_workers.envs.loading import load_environment
+    from gpu_workers.evaluate import evaluate_episodes
+
+    env = load_environment(cfg.data.env, cfg.data.env_config)
+    limits = episode_limits(cfg.worker, cfg.data)
+    protocol = Protocol.for_tokenizer(env, tokenizer, limits, stop_token_ids(args.model_dir), cfg.data.system_prompt)
+    t0 = time.perf_counter()
+    worker = cfg.worker.model_copy(update={"verify_swaps": 0})
+    engine = Engine(args.model_dir, version, worker, sample_caps(cfg.worker, cfg.data)[1])
+    try:
+        result = evaluate_episodes(
+            engine,
+            protocol,
+            tasks,
+            samples=args.samples,
+            temperature=args.temperature,
+            top_p=cfg.worker.top_p,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        return _fail(str(exc))
+    finally:
+        engine.close()
+    record = {
+        **result.summary(),
+        "model": str(args.model_dir),
+        "version": version,
+        "task": cfg.data.task,
+        "env": cfg.data.env,
+        "temperature": args.temperature,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    if not args.json:
+        print(
+            f"{tasks.name} in {cfg.data.env}: success {result.success_rate:.3f}, mean reward {result.mean_reward:.3f}, "
+            f"{result.mean_turns:.2f} model turns per episode over {result.n} tasks x {result.samples} "
+            f"(version {version})",
+            file=sys.stderr,
+        )
+        for e in result.episodes[:3]:
+            said = " | ".join(t["text"] for t in e["turns"] if t["role"] == "assistant")
+            print(
+                f"  {tasks[e['task']].prompt!r} -> {said!r} ({'solved' if e['success'] else 'not solved'})",
+                file=sys.stderr,
+            )
+    if args.completions is not None:
+        with open(args.completions, "w") as f:
+            for e in result.episodes:
+                task = tasks[e["task"]]
+                f.write(json.dumps({"prompt": task.prompt, "answer": task.answer, **e}) + "\n")
+    _finish(args, cfg, record)
     return 0

@@ -12,7 +12,8 @@ operator token to the roles that need it through the environment (never on a com
 Phases: an optional supervised warm start (`run.sft_steps`, `intellect sft`, its export becomes the base
 model), the calibration check (a bfloat16/float16 replay pool's validators refuse to start without a
 calibration of the base model, `intellect calibrate`: the launcher says so before it starts anything, naming the
-model to calibrate), held-out evaluation of the base policy (`intellect eval`), the RL run (until the learner has made
+model to calibrate), held-out evaluation of the base policy (`intellect eval`; with `data.env` it plays episodes,
+and "accuracy" is their success rate), the RL run (until the learner has made
 `trainer.steps` steps; evaluations every `run.eval_interval` steps on the newest exported version), then a
 final evaluation, the processes stopped, and the plots written (`intellect plot`).
 

@@ -19,6 +19,15 @@ directory with the base model's tokenizer files, in the base model's dtype (`--o
 which vLLM and transformers load as they are; point `model.path` at it for the RL phase. Per-step metrics go
 to `run.dir/metrics.jsonl` with `"role": "sft"`.
 
+With `data.env` (a multi-turn pool) the examples are the environment's demonstrations instead
+(`Episode.demonstration`, `build_episode_examples`): each training task's demonstration is played through the
+same episode protocol a worker plays (`gpu_workers.envs.episode.demonstrate`), so an example's tokens are the
+sequence a worker would hold had it sampled those turns: the first prompt by the chat template, each model
+turn's text tokenized and closed by the template's stop token, each environment turn's tokens appended as the
+worker appends them. The loss covers only the model turns marked `train` (their stop token included), never
+the prompt, the environment's turns or context-only turns (e.g. `retry`'s wrong first attempt). Each task's
+episode seed is drawn from `trainer.seed`. An environment that gives no demonstration is an error naming it.
+
 Flags (defaults suit the tiny CPU demo): `--steps` 200, `--lr` 1e-3, `--warmup` 10, `--batch-size` 64 examples.
 """
 
@@ -62,12 +71,47 @@ def completion_tokens(tokenizer, prompt: list[int], messages: list[dict], answer
     return tail + [int(tokenizer.eos_token_id)]
 
 
-def build_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], list[int]]]:
+def build_episode_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], list[int], list[int]]]:
+    """(first prompt, the rest of the episode, loss mask over the rest) per training task of a `data.env` pool:
+    its environment's demonstration played through the episode protocol (module docstring)."""
+    import numpy as np
+
+    from gpu_workers.config import episode_limits
+    from gpu_workers.envs.episode import Protocol, demonstrate
+    from gpu_workers.envs.loading import load_environment, prepare
+    from intellect.config import ConfigError
+    from intellect.tasks_setup import training_tasks
+
+    if cfg.run.sft_think_lines:
+        raise ConfigError("run.sft_think_lines writes a single-turn answer on k lines; unset it with data.env")
+    env = load_environment(cfg.data.env, cfg.data.env_config)
+    prepare(env, cfg.data.allow_unsandboxed_code)  # a tool environment runs the demonstrated programs
+    protocol = Protocol.for_tokenizer(
+        env, tokenizer, episode_limits(cfg.worker, cfg.data), stop_ids, cfg.data.system_prompt
+    )
+    tasks = training_tasks(cfg.data)
+    seeds = np.random.default_rng([cfg.trainer.seed, 3]).integers(0, 2**62, size=len(tasks))
+    examples = []
+    for i, (task, seed) in enumerate(zip(tasks, seeds)):
+        try:
+            d = demonstrate(protocol, task, int(seed), where=f"training task {i}")
+        except ValueError as err:
+            raise ConfigError(f"data.env: {err}") from None
+        examples.append((d.tokens[: d.prompt_len], d.tokens[d.prompt_len :], d.trained[d.prompt_len :]))
+    return examples
+
+
+def build_examples(cfg, tokenizer, stop_ids) -> list[tuple[list[int], ...]]:
+    """The warm start's examples: (prompt, completion) per training task, or with `data.env` (prompt, rest of
+    the episode, loss mask) per task (`build_episode_examples`)."""
     import numpy as np
 
     from gpu_workers.tasks import prompt_text, prompt_tokens
     from intellect.config import ConfigError
     from intellect.tasks_setup import training_tasks
+
+    if cfg.data.env is not None:
+        return build_episode_examples(cfg, tokenizer, stop_ids)
 
     targets, lines = cfg.data.length_targets, cfg.run.sft_think_lines
     draw = np.random.default_rng([cfg.trainer.seed, 2])  # its own stream: the batch order's is trainer.seed
@@ -125,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from gpu_workers.checks import stop_token_ids
+    from gpu_workers.rewards.code import SandboxUnavailable
+    from intellect.config import ConfigError
     from intellect.learner_setup import load_base, mesh_from_config
     from intellect.metrics import wandb_sink
     from jax_trainer.models import export_hf
@@ -132,8 +178,12 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    examples = build_examples(cfg, tokenizer, stop_token_ids(base))
-    too_long = [i for i, (p, c) in enumerate(examples) if len(p) + len(c) > cfg.model.max_seq_len]
+    try:
+        examples = build_examples(cfg, tokenizer, stop_token_ids(base))
+    except (ConfigError, SandboxUnavailable) as err:
+        print(f"intellect sft: {err}", file=sys.stderr)
+        return 2
+    too_long = [i for i, (p, c, *_) in enumerate(examples) if len(p) + len(c) > cfg.model.max_seq_len]
     if too_long:
         print(
             f"intellect sft: {len(too_long)} examples (first: task {too_long[0]}) exceed model.max_seq_len "

@@ -3,7 +3,8 @@
 An example is a prompt and the completion the model should write after it (answer text and stop token).
 Examples are packed exactly like rollouts (`jax_trainer.packing`): several per row, segment ids keeping
 attention inside each example, `loss_mask` = 1 on completion tokens only, so prompt tokens are never a
-target. The loss of one optimizer step is
+target (a multi-turn demonstration narrows it to its trained model turns: `sft_samples`). The loss of one
+optimizer step is
 
     L = - sum_t mask_t * log pi(token_t | tokens_<t) / sum_t mask_t
 
@@ -36,13 +37,20 @@ from jax_trainer.packing import PackedBatch, Sample, pack
 from jax_trainer.train_step import GRPOTrainer, TrainState
 
 
-def sft_samples(
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]], names: Sequence[str] | None = None
-) -> list[Sample]:
-    """(prompt ids, completion ids) pairs -> packing samples (no logprobs, no advantage)."""
+def sft_samples(examples: Sequence[Sequence[Sequence[int]]], names: Sequence[str] | None = None) -> list[Sample]:
+    """(prompt ids, completion ids) pairs -> packing samples (no logprobs, no advantage). An example may carry a
+    third element, a 0/1 mask over its completion tokens (a multi-turn demonstration: 1 on the model turns to
+    train on, 0 on environment turns and context); without one every completion token is a target."""
     out = []
-    for i, (prompt, completion) in enumerate(examples):
+    for i, example in enumerate(examples):
+        prompt, completion = example[0], example[1]
         tokens = np.asarray(list(prompt) + list(completion), np.int32)
+        sampled = None
+        if len(example) > 2:
+            mask = np.asarray(example[2], np.uint8)
+            if len(mask) != len(completion):
+                raise ValueError(f"example {i}: {len(completion)} completion tokens but {len(mask)} mask values")
+            sampled = np.concatenate([np.zeros(len(prompt), np.uint8), mask])
         out.append(
             Sample(
                 tokens=tokens,
@@ -51,15 +59,17 @@ def sft_samples(
                 advantage=0.0,
                 version=0,
                 name=names[i] if names else f"example {i}",
+                sampled=sampled,
             )
         )
     return out
 
 
 def pack_examples(
-    examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: int, seq_len: int, micro_batches: int | None = None
+    examples: Sequence[Sequence[Sequence[int]]], rows: int, seq_len: int, micro_batches: int | None = None
 ) -> PackedBatch:
-    """Pack examples into [micro_batches, rows, seq_len]; a fixed `micro_batches` keeps one compiled shape."""
+    """Pack examples (`sft_samples`) into [micro_batches, rows, seq_len]; a fixed `micro_batches` keeps one
+    compiled shape."""
     return pack(sft_samples(examples), rows, seq_len, micro_batches=micro_batches)
 
 

@@ -77,7 +77,8 @@ def as_messages(response: Response) -> tuple[EnvTurn, ...] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Demonstration:
-    """A model turn of a worked episode (for a supervised warm start; `intellect sft` does not read them yet)."""
+    """A model turn of a worked episode, for a supervised warm start (`intellect sft` with `data.env` plays them
+    through `gpu_workers.envs.episode.demonstrate`)."""
 
     text: str
     train: bool = True  # False: the turn is context only (e.g. a wrong first attempt), not a training target
@@ -101,8 +102,8 @@ class Episode(abc.ABC):
         """The episode's score, once it has ended (by None from `respond` or by a limit)."""
 
     def success(self) -> bool:
-        """Whether the episode solved its task (`play` records it; `intellect eval` does not play episodes yet):
-        by default a reward of 1."""
+        """Whether the episode solved its task (`play` records it; `intellect eval` reports the rate): by default
+        a reward of 1."""
         return self.reward().value >= 1.0
 
     def demonstration(self) -> list[Demonstration] | None:

@@ -183,6 +183,81 @@ def play(
     return rollouts
 
 
+@dataclasses.dataclass(frozen=True)
+class Demonstrated:
+    """One task's demonstration played through the protocol: the sequence a worker would hold had it sampled the
+    demonstration's turns, and `trained`, 1 on the tokens of the turns to train on (`Demonstration.train`, the
+    stop token included), 0 on the prompt, the environment turns and context-only turns."""
+
+    tokens: list[int]
+    trained: list[int]
+    prompt_len: int
+    turns: int
+    reward: float
+
+
+def turn_stop_token(protocol: Protocol) -> int:
+    """The stop token a model turn ends with when it is written as text: the first token of what the chat
+    template writes after an assistant turn (ChatML: `<|im_end|>`) when the protocol stops on it, else the
+    smallest of the protocol's stop tokens."""
+    close = protocol.renderer.tokenizer.encode(protocol.renderer.close, add_special_tokens=False)
+    if close and int(close[0]) in protocol.stop_token_ids:
+        return int(close[0])
+    if not protocol.stop_token_ids:
+        raise ValueError("the protocol has no stop tokens to end a demonstrated turn with")
+    return min(protocol.stop_token_ids)
+
+
+def demonstrate(protocol: Protocol, task: Any, seed: int, where: str = "task") -> Demonstrated:
+    """Play `task`'s demonstration (`Episode.demonstration`) as an episode at `seed`: the first prompt, then each
+    demonstrated turn as its tokens (`TurnRenderer.turn_tokens`, ended by `turn_stop_token`) and the environment's
+    answer to it appended exactly as `play` appends it (the environment sees the turn's tokens decoded as a
+    worker's turn is). ValueError, naming the environment and `where`, when the environment gives no
+    demonstration, a turn does not fit the episode's limits, the episode ends before the demonstration does, or
+    the demonstration does not solve the task."""
+    name = f"environment {protocol.env.name!r}"
+    episode = protocol.env.start(task, int(seed))
+    turns = episode.demonstration()
+    if not turns:
+        raise ValueError(f"{name} gives no demonstration of {where} (a supervised warm start needs one)")
+    if not any(t.train for t in turns):
+        raise ValueError(f"{name}: the demonstration of {where} has no turn to train on (every turn is context)")
+    stop = turn_stop_token(protocol)
+    tokens = protocol.first_prompt(episode)
+    prompt_len = len(tokens)
+    trained = [0] * prompt_len
+    messages = None
+    for k, demo in enumerate(turns):
+        turn = protocol.renderer.turn_tokens(demo.text, stop)
+        cap = protocol.turn_cap(len(tokens))
+        if len(turn) > cap:
+            raise ValueError(
+                f"{name}: turn {k} of the demonstration of {where} has {len(turn)} tokens, more than its cap of "
+                f"{cap} (data.max_new_tokens / worker.max_tokens, data.max_episode_tokens)"
+            )
+        tokens += turn
+        trained += [int(demo.train)] * len(turn)
+        messages, failure = protocol.respond(episode, protocol.decode(turn))
+        if failure is not None:
+            raise ValueError(f"{name}: on the demonstration of {where}, {failure}")
+        if k == len(turns) - 1:
+            break
+        env, why = protocol.next_turn(messages, turn, k, len(tokens))
+        if env is None:
+            raise ValueError(
+                f"{name}: the episode of {where} ends after turn {k} of its {len(turns)}-turn demonstration: {why}"
+            )
+        tokens += env
+        trained += [0] * len(env)
+    rollout = Rollout([], [], 0, [], None, [])
+    _score(rollout, episode, None)
+    if not rollout.success:
+        raise ValueError(
+            f"{name}: the demonstration of {where} does not solve it (reward {rollout.reward}: {rollout.reason})"
+        )
+    return Demonstrated(tokens, trained, prompt_len, len(turns), rollout.reward)
+
+
 def _score(rollout: Rollout, episode, failure: str | None) -> None:
     if failure is not None:
         rollout.reward, rollout.reason, rollout.success = 0.0, failure, False

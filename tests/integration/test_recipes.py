@@ -118,6 +118,7 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
         "trainer.process_id": "none",
         "data.online_filter": False,
         "data.length_targets": "[]",
+        "data.max_episode_tokens": 64,  # a multi-turn recipe's episodes in the test's rows
     }
     cmd = [sys.executable, "-m", "intellect", "train", str(recipe)]
     for key, value in flags.items():

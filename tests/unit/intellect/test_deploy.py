@@ -538,10 +538,14 @@ def _show(recipe: Path) -> dict:
 
 def test_every_recipe_resolves():
     recipes = sorted((REPO / "configs").glob("*.toml"))
-    assert {"demo.toml", "qwen2_5_0_5b_gsm8k.toml", "intellect2_qwq32b.toml"} <= {r.name for r in recipes}
+    shipped = {"demo.toml", "qwen2_5_0_5b_gsm8k.toml", "intellect2_qwq32b.toml", "demo_retry.toml"}
+    assert shipped | {"tiny_python_tool.toml"} <= {r.name for r in recipes}
     for recipe in recipes:
         cfg = _show(recipe)
         assert cfg["trainer"]["batch_size"] == cfg["data"]["prompts_per_step"] * cfg["data"]["samples_per_prompt"]
+        if recipe.name in ("demo_retry.toml", "tiny_python_tool.toml"):  # the multi-turn recipes
+            assert cfg["data"]["env"] in ("retry", "python_tool") and cfg["run"]["sft_steps"] > 0
+            assert cfg["model"]["max_seq_len"] >= cfg["data"]["max_episode_tokens"]
 
 
 def test_intellect2_recipe_has_the_papers_values():
