@@ -120,6 +120,8 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
         "data.length_targets": "[]",
         "data.max_episode_tokens": 64,  # a multi-turn recipe's episodes in the test's rows
     }
+    if cfg.loss.logprob_source == "validator":  # a pool's pi_old; from the store (no validators) the same numbers
+        flags["loss.logprob_source"] = "inference"  # are the batch's engine logprobs
     cmd = [sys.executable, "-m", "intellect", "train", str(recipe)]
     for key, value in flags.items():
         cmd += [f"--{key}", str(value)]
