@@ -16,6 +16,13 @@ where the model stopped: the text of the stop token the model sampled is taken o
 with it (the model wrote it), and the rest (the newline) opens the environment turn. A model turn that ended
 without a stop token ends the episode, so it is never followed by an environment turn.
 
+An environment turn's text is text, whatever it holds: a tool's output or a verifiers environment's message that
+contains the string of one of the tokenizer's added tokens (`<|im_end|>`, `<|im_start|>`, `<tool_call>`) would
+otherwise be tokenized as that token, and a program's print could close the tool turn and open a fake assistant
+turn the model then reads as its own. Each such string in a message's content gets a zero-width space (U+200B)
+after its first character before rendering, so it tokenizes as ordinary text (`plain_text`); only the template's
+own wrapper yields added tokens. The environment and its reward see the content unchanged.
+
 The rule is a pure function of (tokenizer, chat template, messages, stop token), so a worker and a validator
 with the same tokenizer get the same tokens byte for byte. A template that renders the placeholder
 conversation so that a prefix changes when more follows (it rewrites earlier turns) is refused with
@@ -29,6 +36,16 @@ from collections.abc import Sequence
 from gpu_workers.envs.base import EnvTurn
 
 _USER, _ASSISTANT = "Question?", "Answer."
+_ZWSP = "\u200b"
+
+
+def plain_text(text: str, added: Sequence[str]) -> str:
+    """`text` with every occurrence of an added token's string in `added` (longest first) broken by a zero-width
+    space after its first character, so that a tokenizer reads it as ordinary text (module docstring)."""
+    for token in added:
+        if token in text:
+            text = text.replace(token, token[0] + _ZWSP + token[1:])
+    return text
 
 
 class RenderError(ValueError):
@@ -52,6 +69,8 @@ class TurnRenderer:
         self.close = self._closed[len(opened) + len(_ASSISTANT) :]
         """What the template writes after an assistant turn's content (ChatML: "<|im_end|>\\n")."""
         self._cache: dict[tuple[tuple[tuple[str, str], ...], int | None], list[int]] = {}
+        self._added = sorted((t for t in tokenizer.get_added_vocab() if len(t) > 1), key=len, reverse=True)
+        """The strings the tokenizer splits out as added tokens, longest first (`plain_text`)."""
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         try:
@@ -78,7 +97,7 @@ class TurnRenderer:
 
     def env_text(self, messages: Sequence[EnvTurn], stop_token: int | None) -> str:
         """The text of the environment turn after a model turn that ended with `stop_token` (module docstring)."""
-        turns = [{"role": m.role, "content": m.text} for m in messages]
+        turns = [{"role": m.role, "content": plain_text(m.text, self._added)} for m in messages]
         full = self._render(self._placeholder + turns, generation_prompt=True)
         if not full.startswith(self._closed):
             raise RenderError(
