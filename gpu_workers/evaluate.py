@@ -171,7 +171,7 @@ def evaluate_episodes(
     (`gpu_workers.envs.episode.play`: every model turn generated on the exact previous sequence, at its turn's
     seed, stopping on the protocol's stop tokens; no proofs), the j-th episode of the evaluation at seed
     `seed + j`; score each by its environment (reward, `Episode.success`)."""
-    from gpu_workers.envs.episode import play
+    from gpu_workers.envs.episode import engine_turns, play
 
     if not tasks:
         raise ValueError("evaluate: no tasks to play")
@@ -181,20 +181,7 @@ def evaluate_episodes(
         raise ValueError(f"evaluate: greedy decoding (temperature 0) plays one episode per task; samples={samples}")
     flat = [task for task in tasks for _ in range(samples)]
     seeds = [seed + j for j in range(len(flat))]
-    stops = sorted(protocol.stop_token_ids)
-
-    def generate(prompts, turn_seeds, caps):
-        return engine.generate(
-            prompts,
-            turn_seeds,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=caps,
-            stop_token_ids=stops,
-            proofs=False,
-        )
-
-    rollouts = play(protocol, flat, seeds, generate)
+    rollouts = play(protocol, flat, seeds, engine_turns(engine, protocol, temperature, top_p, proofs=False))
     episodes = []
     for j, (r, s) in enumerate(zip(rollouts, seeds)):
         turns, mask = [], np.asarray(r.sampled, np.uint8)

@@ -470,22 +470,9 @@ def play_episodes(engine, protocol, tasks: Sequence, seeds: Sequence[int], tempe
     turns (docs/design.md section 7), as one byte string."""
     import torch
 
-    from gpu_workers.envs.episode import play
+    from gpu_workers.envs.episode import engine_turns, play
     from gpu_workers.toploc import build_proofs_batch
 
-    stops = sorted(protocol.stop_token_ids)
-
-    def generate(prompts, turn_seeds, caps):
-        return engine.generate(
-            prompts,
-            turn_seeds,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=caps,
-            stop_token_ids=stops,
-            hidden_only=True,
-        )
-
-    episodes = play(protocol, tasks, seeds, generate)
+    episodes = play(protocol, tasks, seeds, engine_turns(engine, protocol, temperature, top_p, hidden_only=True))
     proofs = build_proofs_batch([torch.cat(e.hidden).to(torch.bfloat16) for e in episodes])
     return episodes, [b"".join(p) for p in proofs]

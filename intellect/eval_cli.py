@@ -123,14 +123,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     finally:
         engine.close()
-    record = {
-        **result.summary(),
-        "model": str(args.model_dir),
-        "version": version,
-        "task": cfg.data.task,
-        "temperature": args.temperature,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    record = _record(args, cfg, result, version, t0)
     if not args.json:
         print(
             f"{tasks.name}: pass@1 {result.accuracy:.3f} over {result.n} tasks x {result.samples} "
@@ -155,6 +148,19 @@ def run(args: argparse.Namespace) -> int:
                 f.write(json.dumps({**row, "correct": [bool(x) for x in ok]}) + "\n")
     _finish(args, cfg, record)
     return 0
+
+
+def _record(args: argparse.Namespace, cfg, result, version: int, t0: float, **extra) -> dict:
+    """What an evaluation reports: its summary, the model, version, task (and `extra`), temperature, wall time."""
+    return {
+        **result.summary(),
+        "model": str(args.model_dir),
+        "version": version,
+        "task": cfg.data.task,
+        **extra,
+        "temperature": args.temperature,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
 
 
 def _finish(args: argparse.Namespace, cfg, record: dict) -> None:
@@ -197,15 +203,7 @@ def _eval_episodes(args: argparse.Namespace, cfg, tasks, tokenizer, version: int
         return _fail(str(exc))
     finally:
         engine.close()
-    record = {
-        **result.summary(),
-        "model": str(args.model_dir),
-        "version": version,
-        "task": cfg.data.task,
-        "env": cfg.data.env,
-        "temperature": args.temperature,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    record = _record(args, cfg, result, version, t0, env=cfg.data.env)
     if not args.json:
         print(
             f"{tasks.name} in {cfg.data.env}: success {result.success_rate:.3f}, mean reward {result.mean_reward:.3f}, "

@@ -196,6 +196,20 @@ class Demonstrated:
     reward: float
 
 
+def engine_turns(engine, protocol: Protocol, temperature: float, top_p: float, **options) -> Callable:
+    """The `generate` that `play` calls, on a `gpu_workers.engine.Engine`: each turn sampled at its seed with the
+    pool's sampling settings, stopping on the protocol's stop tokens, capped per prompt; `options` go to
+    `Engine.generate` (the worker's `hidden_only=True` for proofs, an evaluation's `proofs=False`)."""
+    stops = sorted(protocol.stop_token_ids)
+
+    def generate(prompts, turn_seeds, caps):
+        return engine.generate(
+            prompts, turn_seeds, temperature=temperature, top_p=top_p, max_tokens=caps, stop_token_ids=stops, **options
+        )
+
+    return generate
+
+
 def turn_stop_token(protocol: Protocol) -> int:
     """The stop token a model turn ends with when it is written as text: the first token of what the chat
     template writes after an assistant turn (ChatML: `<|im_end|>`) when the protocol stops on it, else the
