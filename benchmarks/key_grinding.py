@@ -7,11 +7,11 @@ liked best and announce that batch: best-of-N with nothing abandoned, so no stri
 secret of its own into every draw (the assignment's salt), so the same computation predicts nothing.
 
 The run is the real orchestrator (the in-process app of `intellect orchestrator`, the demo's pool shape on a
-simulated clock, as `poisoning.py selection`), `--honest` honest workers, a validator that accepts every batch
+simulated clock, as `selective_submission.py`), `--honest` honest workers, a validator that accepts every batch
 with its rewards and a learner that reads the accepted batches and announces a version per step. A sample's
 reward is honest and fixed by its assignment: 1 with its task's success probability (Beta(`--beta`) over the
-tasks), drawn from its assigned seed (`poisoning.honest_rewards`). The grinder, for every batch it makes: draws
-`--keys` fresh keys, computes each key's first assignment at the current version with the public function
+tasks), drawn from its assigned seed (`selective_submission.honest_rewards`). The grinder, for every batch it makes:
+draws `--keys` fresh keys, computes each key's first assignment at the current version with the public function
 (what protocol 1 handed out), scores it by its tasks' mean success probability (the grinder is given the true
 difficulties, the best it could know), registers the best key, generates what the orchestrator hands that key
 honestly and announces it.
@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from poisoning import SELECTION_POOL, TICK_S, SimClock, SimLearner, SimPool, honest_rewards  # noqa: E402
+from selective_submission import SELECTION_POOL, TICK_S, SimClock, SimLearner, SimPool, honest_rewards  # noqa: E402
 
 
 def _predicted(key_hex: str, version: int, prompts: int, samples: int, num_tasks: int):
