@@ -5,6 +5,9 @@ installed beside the CPU build (`pip install .[all]` brings it for `intellect pl
 matches too ("Only one platform plugin can be activated, but got: ['tpu', 'cpu']"). The CPU build of vLLM can
 only run on the CPU, so with it installed the CPU platform is named explicitly; a user's own
 `VLLM_TARGET_DEVICE` wins.
+
+vLLM prints its log lines on stdout; here they go to stderr (a user's own `VLLM_LOGGING_STREAM` wins), so a
+command's or a benchmark's stdout holds its results alone (`intellect calibrate --json > F`).
 """
 
 import importlib.metadata as _metadata
@@ -21,3 +24,5 @@ def _cpu_vllm_installed() -> bool:
 
 if _cpu_vllm_installed():
     _os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+_os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import os
 import re
 import sys
 import traceback
@@ -212,8 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     args.overrides = overrides
-    # stdout carries a command's results (`--json`): vLLM's log lines, which it prints on stdout, go to stderr
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     from intellect.config import ConfigError
     from jax_trainer.xla_flags import apply_safety
 
