@@ -98,6 +98,8 @@ def main() -> int:
         args.tolerance = args.tolerance if args.tolerance is not None else v.get("replay_logit_tolerance")
         args.tie = args.tie if args.tie is not None else v.get("tie_logit_tolerance")
         args.logprob = args.logprob if args.logprob is not None else v.get("max_logprob_diff")
+        if args.near_ties is None and "near_ties_per_token" in v:  # the budgets a calibration writes
+            args.near_ties = f"1.0,{v['near_ties_per_token']},{v.get('near_ties_per_batch_token', 0.02)}"
         if args.ledger is None and o.get("near_tie_rate") is not None:
             args.ledger = f"{o['near_tie_rate']},{o.get('near_tie_slack', 2.0)}"
 

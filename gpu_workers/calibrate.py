@@ -23,7 +23,13 @@ The settings: `replay_logit_tolerance` = `safety` x the larger of the largest co
 honest near-tie gap, / 2; `tie_logit_tolerance` = the tie margin that holds the `tie_quantile` of the honest
 gaps; `near_tie_rate` = `rate_safety` x the honest near-tie cost per completion token, `near_tie_slack` =
 `rate_safety` x the costliest honest batch (at least 2); `max_logprob_diff` = `safety` x the largest honest
-logprob difference (at T = 1, beyond the top-p term). Each is rounded up, never below what was measured.
+logprob difference (at T = 1, beyond the top-p term). The validator's per-sample and per-batch near-tie budgets
+(`near_ties_per_token`, `near_ties_per_batch_token`) are their defaults unless honest work needs more: a sample may
+spend 1 + `near_ties_per_token` x its tokens, so `near_ties_per_token` = `safety` x the largest honest cost beyond
+1 per token of its sample; a batch `near_ties_per_batch_token` x its tokens, so that one is `rate_safety` x the
+largest honest batch cost per token (a real model's bfloat16 engines tie far more often than the toy models the
+defaults were set on: SmolLM2-135M-Instruct on 2.5% of its tokens). Each is rounded up, never below what was
+measured.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import numpy as np
 from gpu_workers.calibration import (
     competing_spreads,
     logprob_tolerance,
+    near_tie_budgets,
     near_tie_gaps,
     near_tie_rate,
     replay_tolerance,
@@ -72,6 +79,9 @@ class Calibration:
     honest_batches: int
     honest_batch_cost_max: float
     honest_logprob_diff_max: float
+    honest_sample_excess_per_token_max: float
+    """The largest (near-tie cost - 1) / tokens of an honest sample: what its per-token budget must hold."""
+    honest_batch_cost_per_token_max: float
     safety: float
     tie_quantile: float
     rate_safety: float
@@ -80,6 +90,8 @@ class Calibration:
     max_logprob_diff: float
     near_tie_rate: float
     near_tie_slack: float
+    near_ties_per_token: float
+    near_ties_per_batch_token: float
     seconds: float
 
     def settings(self) -> dict[str, dict[str, float]]:
@@ -89,6 +101,8 @@ class Calibration:
                 "replay_logit_tolerance": self.replay_logit_tolerance,
                 "tie_logit_tolerance": self.tie_logit_tolerance,
                 "max_logprob_diff": self.max_logprob_diff,
+                "near_ties_per_token": self.near_ties_per_token,
+                "near_ties_per_batch_token": self.near_ties_per_batch_token,
             },
             "orchestrator": {"near_tie_rate": self.near_tie_rate, "near_tie_slack": self.near_tie_slack},
         }
@@ -167,7 +181,7 @@ def measure(
     finally:
         engine.close()
     gaps: list[np.ndarray] = []
-    tie_tokens, worst_logprob, batch_of = 0, 0.0, []
+    tie_tokens, worst_logprob, batch_of, lengths = 0, 0.0, [], []
     stops = sorted(stop_token_ids(model))
     engine = Engine(model, 0, WorkerConfig(dtype=worker_dtype, verify_swaps=0), max_model_len=longest + 8)
     try:
@@ -191,6 +205,7 @@ def measure(
                     z = z.masked_fill(~_top_p_kept(z / temperature, top_p), -float("inf"))
                 gaps.append(near_tie_gaps(tokens, z, seed, temperature))
                 batch_of.append(start // per_batch)
+                lengths.append(max(len(tokens), 1))
                 tie_tokens += len(tokens)
                 recomputed = torch.log_softmax(z / temperature, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
                 # as the sampling check states its bound: at T = 1, beyond the top-p boundary term
@@ -211,6 +226,7 @@ def measure(
     costs = [float(near_tie_costs(g, 2 * tie).sum()) for g in gaps]
     cost = sum(costs)
     by_batch = np.bincount(np.asarray(batch_of, dtype=np.int64), weights=costs) if costs else np.zeros(1)
+    budgets = near_tie_budgets(costs, lengths, batch_of, safety, rate_safety)
 
     def quantiles(values: np.ndarray, qs: Sequence[str]) -> dict[str, float]:
         return {q: round(float(np.quantile(values, float(q))), 4) if len(values) else 0.0 for q in qs}
@@ -234,6 +250,8 @@ def measure(
         honest_batches=int(len(by_batch)),
         honest_batch_cost_max=round(float(by_batch.max()), 3),
         honest_logprob_diff_max=round(worst_logprob, 4),
+        honest_sample_excess_per_token_max=round(budgets["excess"], 4),
+        honest_batch_cost_per_token_max=round(budgets["batch_rate"], 5),
         safety=safety,
         tie_quantile=tie_quantile,
         rate_safety=rate_safety,
@@ -243,5 +261,7 @@ def measure(
         near_tie_rate=near_tie_rate(cost / max(tie_tokens, 1), rate_safety),
         # the ledger's slack holds the costliest honest batch seen, with the same room as the rate
         near_tie_slack=max(2.0, math.ceil(10 * rate_safety * float(by_batch.max())) / 10),
+        near_ties_per_token=budgets["near_ties_per_token"],
+        near_ties_per_batch_token=budgets["near_ties_per_batch_token"],
         seconds=round(time.monotonic() - started, 1),
     )

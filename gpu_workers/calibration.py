@@ -111,6 +111,42 @@ def logprob_tolerance(largest_diff: float, safety: float = 2.0) -> float:
     return max(0.01, math.ceil(100 * safety * largest_diff - 1e-9) / 100)
 
 
+def near_tie_budgets(
+    sample_costs: Sequence[float],
+    sample_tokens: Sequence[int],
+    batch_of: Sequence[int],
+    safety: float = 2.0,
+    rate_safety: float = 2.0,
+) -> dict[str, float]:
+    """The validator's near-tie budgets that hold honest samples' and batches' measured near-tie costs.
+
+    A sample may spend `near_ties_per_sample` (1) + `near_ties_per_token` x its tokens, a batch
+    `near_ties_per_batch_token` x its tokens (`gpu_workers.replay_checks`). Returned: the largest honest cost
+    beyond 1 per token of its sample (`excess`) and cost per token of a batch (`batch_rate`), and the budgets:
+    `safety` x excess and `rate_safety` x batch_rate, rounded up, never below the defaults (`SamplingTolerance`).
+    """
+    from gpu_workers.verdicts import SamplingTolerance
+
+    defaults = SamplingTolerance()
+    if not len(sample_costs) == len(sample_tokens) == len(batch_of):
+        raise ValueError("one cost, token count and batch index per sample")
+    excess = max([0.0, *((c - defaults.near_ties_per_sample) / max(n, 1) for c, n in zip(sample_costs, sample_tokens))])
+    cost_of: dict[int, float] = {}
+    tokens_of: dict[int, int] = {}
+    for c, n, b in zip(sample_costs, sample_tokens, batch_of):
+        cost_of[b] = cost_of.get(b, 0.0) + c
+        tokens_of[b] = tokens_of.get(b, 0) + n
+    batch_rate = max([0.0, *(cost_of[b] / max(tokens_of[b], 1) for b in cost_of)])
+    return {
+        "excess": excess,
+        "batch_rate": batch_rate,
+        "near_ties_per_token": max(defaults.near_ties_per_token, math.ceil(100 * safety * excess - 1e-9) / 100),
+        "near_ties_per_batch_token": max(
+            defaults.near_ties_per_batch_token, math.ceil(1000 * rate_safety * batch_rate - 1e-9) / 1000
+        ),
+    }
+
+
 class CalibrationError(ValueError):
     """A bfloat16/float16 replay pool without a calibration of its model; the message says what to run."""
 

@@ -125,6 +125,8 @@ def _print_table(cal, out: Path, console) -> None:
         ("largest |stored - recomputed| logprob", cal.honest_logprob_diff_max, "max_logprob_diff"),
         ("near-tie cost per token", cal.honest_near_tie_cost_per_token, "near_tie_rate"),
         ("costliest honest batch", cal.honest_batch_cost_max, "near_tie_slack"),
+        ("near-tie cost beyond 1 per token of a sample", cal.honest_sample_excess_per_token_max, "near_ties_per_token"),
+        ("near-tie cost per token of a batch", cal.honest_batch_cost_per_token_max, "near_ties_per_batch_token"),
     ]
     for label, measured, key in rows:
         table.add_row(label, str(measured), key, str(settings[key]))

@@ -65,6 +65,9 @@ def test_a_bf16_pool_refuses_until_calibrated_and_the_fragment_holds_what_was_me
     assert v.max_logprob_diff >= 2 * report["honest_logprob_diff_max"]
     assert o.near_tie_rate >= 2 * report["honest_near_tie_cost_per_token"] and o.near_tie_rate > 0
     assert o.near_tie_slack >= max(2.0, 2 * report["honest_batch_cost_max"])
+    # the validator's per-sample and per-batch budgets hold the honest samples and batches measured
+    assert v.near_ties_per_token >= max(0.05, 2 * report["honest_sample_excess_per_token_max"])
+    assert v.near_ties_per_batch_token >= max(0.02, 2 * report["honest_batch_cost_per_token_max"])
     assert calibration_problem(v, cfg.worker, cfg.model.path, o.near_tie_rate) is None
 
     # the ledger is on, at the calibrated rate, in the orchestrator this recipe starts

@@ -226,3 +226,67 @@ def test_logprob_tolerance_is_the_safety_times_the_largest_difference_in_hundred
     assert logprob_tolerance(0.0, 2.0) == 0.01
     with pytest.raises(ValueError):
         logprob_tolerance(float("inf"), 2.0)
+
+
+def _tied_sample(seed: int, n: int, ties: dict[int, float], vocab: int = 32):
+    """Logits [n, vocab] under which the replayable sampler's choice at every position is token 1, and token 2
+    scores short of it by ties[i] (noise included) at the positions in `ties`: the completion takes token 2
+    there (an honest engine's rounding flip) and token 1 elsewhere."""
+    from gpu_workers.replay import gumbel_noise
+
+    g = gumbel_noise([seed] * n, list(range(n)), vocab)
+    z = -g - 5.0  # every noisy score -5
+    z[:, 1] += 6.0  # token 1: noisy score 1, the best
+    for i, gap in ties.items():
+        z[i, 2] += 6.0 - gap
+    tokens = [2 if i in ties else 1 for i in range(n)]
+    return tokens, z, seed
+
+
+def test_calibrated_budgets_hold_honest_samples_the_defaults_reject():
+    """SmolLM2-135M-Instruct in bfloat16 ties on 2.5% of its tokens: an honest 8-token sample with three rounding
+    flips costs more than the default per-sample budget (1 + 0.05 x 8), and an honest batch more than 0.02 per
+    token. Budgets from `near_tie_budgets` over such samples let the real checks accept them."""
+    from gpu_workers.calibration import near_tie_budgets
+    from gpu_workers.checks import SamplingTolerance, check_near_tie_budget, check_replay_batch
+
+    tol = SamplingTolerance(replay_logit_tolerance=0.88, tie_logit_tolerance=0.1)  # SmolLM2's calibration
+    tie_margin = 2 * 0.1
+    samples = [_tied_sample(7, 8, {1: 0.6 * tie_margin, 4: 0.5 * tie_margin, 6: 0.7 * tie_margin})]
+    samples += [_tied_sample(100 + k, 8, {k % 8: 0.3 * tie_margin}) for k in range(7)]
+    replayed = check_replay_batch(samples, 1.0, 1.0, tol, "float32")
+    assert all(v.numbers["off_seed_tokens"] == 0 for v in replayed)
+    costs = [v.numbers["near_tie_cost"] for v in replayed]
+    assert [v.numbers["near_ties"] for v in replayed] == [3] + [1] * 7
+    assert not replayed[0].passed and "over the budget" in replayed[0].reasons[0]  # the defaults reject it
+    assert not check_near_tie_budget(replayed, tol).passed  # and the batch: cost/token above 0.02
+
+    budgets = near_tie_budgets(costs, [8] * 8, [0] * 8, safety=2.0, rate_safety=2.0)
+    calibrated = SamplingTolerance(
+        replay_logit_tolerance=0.88,
+        tie_logit_tolerance=0.1,
+        near_ties_per_token=budgets["near_ties_per_token"],
+        near_ties_per_batch_token=budgets["near_ties_per_batch_token"],
+    )
+    again = check_replay_batch(samples, 1.0, 1.0, calibrated, "float32")
+    assert all(v.passed for v in again)
+    assert check_near_tie_budget(again, calibrated).passed
+    # the room is what was measured times the safety factor, not more: twice the worst sample's excess fits,
+    # three times does not
+    worst = replayed[0].numbers
+    assert 1 + budgets["near_ties_per_token"] * 8 >= 1 + 2 * (worst["near_tie_cost"] - 1)
+    assert 1 + budgets["near_ties_per_token"] * 8 < 1 + 3 * (worst["near_tie_cost"] - 1)
+
+
+def test_budgets_stay_at_the_defaults_where_honest_work_fits_them():
+    from gpu_workers.calibration import near_tie_budgets
+    from gpu_workers.checks import SamplingTolerance
+
+    d = SamplingTolerance()
+    # the demo's bfloat16 policy: a near tie in a few samples, at most one per sample, 0.3% of the tokens
+    costs = [0.0] * 60 + [0.4, 0.7, 1.0, 0.3]
+    budgets = near_tie_budgets(costs, [9] * 64, [0] * 32 + [1] * 32)
+    assert budgets["near_ties_per_token"] == d.near_ties_per_token
+    assert budgets["near_ties_per_batch_token"] == d.near_ties_per_batch_token
+    with pytest.raises(ValueError):
+        near_tie_budgets([1.0], [8, 8], [0])
