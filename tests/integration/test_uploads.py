@@ -64,7 +64,7 @@ submit_rate_per_min = 6000
 submit_burst = 1000
 [ingest]
 store_url = '{store}'
-upload_timeout_s = 4.0
+upload_timeout_s = {upload_timeout}
 max_uploads_per_ip = 2
 orchestrator_url = "{url}"
 port = {ingest_port}
@@ -73,7 +73,15 @@ urls = ["http://127.0.0.1:{ingest_port}"]
 
 
 class Pool:
-    def __init__(self, tmp: Path, s3: S3Server, prefix: str, deadline: float = 600.0, ingest: bool = True):
+    def __init__(
+        self,
+        tmp: Path,
+        s3: S3Server,
+        prefix: str,
+        deadline: float = 600.0,
+        ingest: bool = True,
+        upload_timeout: float = 4.0,
+    ):
         self.tmp, self.s3, self.prefix = tmp, s3, prefix
         self.config = tmp / f"{prefix}.toml"
         self.orch_port, self.ingest_port = free_port(), free_port()
@@ -87,6 +95,7 @@ class Pool:
                 store=s3.spec(prefix + "/"),
                 url=self.url,
                 ingest_port=self.ingest_port,
+                upload_timeout=upload_timeout,
             )
         )
         creds = s3.credentials("ingest")
@@ -546,7 +555,9 @@ def test_an_upload_whose_reservation_a_restart_lost_is_sent_again(tmp_path, s3):
     """The orchestrator restarts while the ingest receives a batch: the control call `finish` answers 404 (an
     unknown ticket is a 4xx, never a 5xx), the ingest deletes what it stored and tells the worker 503 with
     Retry-After, and the batch sent again goes in."""
-    p = Pool(tmp_path, s3, "restart")
+    # the upload waits for the orchestrator's restart: a loaded machine's restart took longer than the 4 s the
+    # slow-upload tests use (the ingest then answered 408), so this pool gives an upload a minute
+    p = Pool(tmp_path, s3, "restart", upload_timeout=60.0)
     try:
         key, node, client = p.worker("patient")
         a = p.assignment(client)
@@ -606,7 +617,13 @@ def test_the_gcs_form_on_gcp_storage_emulator(tmp_path, monkeypatch):
         config = tmp_path / "gcs.toml"
         config.write_text(
             CONFIG.format(
-                run=tmp_path / "run", token=TOKEN, deadline=600, store="gs://rollouts/gcs/", url="x", ingest_port=1
+                run=tmp_path / "run",
+                token=TOKEN,
+                deadline=600,
+                store="gs://rollouts/gcs/",
+                url="x",
+                ingest_port=1,
+                upload_timeout=4.0,
             )
         )
         orchestrator = OrchestratorProcess(tmp_path / "orch.log", config, env=gcs).start()
