@@ -131,12 +131,10 @@ def near_tie_budgets(
     if not len(sample_costs) == len(sample_tokens) == len(batch_of):
         raise ValueError("one cost, token count and batch index per sample")
     excess = max([0.0, *((c - defaults.near_ties_per_sample) / max(n, 1) for c, n in zip(sample_costs, sample_tokens))])
-    cost_of: dict[int, float] = {}
-    tokens_of: dict[int, int] = {}
-    for c, n, b in zip(sample_costs, sample_tokens, batch_of):
-        cost_of[b] = cost_of.get(b, 0.0) + c
-        tokens_of[b] = tokens_of.get(b, 0) + n
-    batch_rate = max([0.0, *(cost_of[b] / max(tokens_of[b], 1) for b in cost_of)])
+    index = np.asarray(batch_of, dtype=np.int64)
+    cost_of = np.bincount(index, weights=np.asarray(sample_costs, dtype=float)) if len(index) else np.zeros(1)
+    tokens_of = np.bincount(index, weights=np.asarray(sample_tokens, dtype=float)) if len(index) else np.ones(1)
+    batch_rate = float((cost_of / np.maximum(tokens_of, 1)).max())
     return {
         "excess": excess,
         "batch_rate": batch_rate,
