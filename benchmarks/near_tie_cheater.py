@@ -90,6 +90,7 @@ def main() -> int:
     p.add_argument("--calibration", type=Path, default=None, help="what `intellect calibrate` wrote")
     p.add_argument("--dump", type=Path, default=None, help="write per-batch costs and candidates here (JSON)")
     args = p.parse_args()
+    means: dict[str, float] = {}  # the sampling check's mean logprob bounds a calibration writes
     if args.calibration is not None:  # the settings a calibrated pool runs with; flags given beside win
         import tomllib
 
@@ -100,6 +101,7 @@ def main() -> int:
         args.logprob = args.logprob if args.logprob is not None else v.get("max_logprob_diff")
         if args.near_ties is None and "near_ties_per_token" in v:  # the budgets a calibration writes
             args.near_ties = f"1.0,{v['near_ties_per_token']},{v.get('near_ties_per_batch_token', 0.02)}"
+        means = {k: v[k] for k in ("mean_logprob_diff", "mean_signed_logprob_diff", "logprob_diff_allowance") if k in v}
         if args.ledger is None and o.get("near_tie_rate") is not None:
             args.ledger = f"{o['near_tie_rate']},{o.get('near_tie_slack', 2.0)}"
 
@@ -158,7 +160,7 @@ def main() -> int:
         picks = np.random.default_rng(1000 + args.seed).choice(len(pool), n_tasks, replace=n_tasks > len(pool))
         tasks = [pool[int(i)] for i in picks]
     tolerance = SamplingTolerance(
-        replay_logit_tolerance=args.tolerance, tie_logit_tolerance=args.tie, max_logprob_diff=args.logprob
+        replay_logit_tolerance=args.tolerance, tie_logit_tolerance=args.tie, max_logprob_diff=args.logprob, **means
     )
     if args.near_ties:
         per_sample, per_token, per_batch_token = (float(x) for x in args.near_ties.split(","))

@@ -28,8 +28,11 @@ logprob difference (at T = 1, beyond the top-p term). The validator's per-sample
 spend 1 + `near_ties_per_token` x its tokens, so `near_ties_per_token` = `safety` x the largest honest cost beyond
 1 per token of its sample; a batch `near_ties_per_batch_token` x its tokens, so that one is `rate_safety` x the
 largest honest batch cost per token (a real model's bfloat16 engines tie far more often than the toy models the
-defaults were set on: SmolLM2-135M-Instruct on 2.5% of its tokens). Each is rounded up, never below what was
-measured.
+defaults were set on: SmolLM2-135M-Instruct on 2.5% of its tokens). The sampling check's mean logprob bounds
+(`mean_logprob_diff`, `mean_signed_logprob_diff`, `logprob_diff_allowance`) likewise stay at their defaults unless
+honest work needs more (`calibration.logprob_mean_bounds`: the per-token rooms follow the honest mean error, the
+per-sample allowance holds the samples of few tokens, whose errors do not average out: an honest 3-token SmolLM2
+sample failed the default one-direction bound). Each is rounded up, never below what was measured.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np
 
 from gpu_workers.calibration import (
     competing_spreads,
+    logprob_mean_bounds,
     logprob_tolerance,
     near_tie_budgets,
     near_tie_gaps,
@@ -82,6 +86,11 @@ class Calibration:
     honest_sample_excess_per_token_max: float
     """The largest (near-tie cost - 1) / tokens of an honest sample: what its per-token budget must hold."""
     honest_batch_cost_per_token_max: float
+    honest_logprob_bias: float
+    """|The mean stored - recomputed logprob| over every token (T = 1): a one-way disagreement of the engines."""
+    honest_logprob_abs_mean: float
+    honest_logprob_sample_excess_max: float
+    """The largest need of one honest sample beyond the per-token rooms of the mean logprob bounds (T = 1)."""
     safety: float
     tie_quantile: float
     rate_safety: float
@@ -92,6 +101,9 @@ class Calibration:
     near_tie_slack: float
     near_ties_per_token: float
     near_ties_per_batch_token: float
+    mean_logprob_diff: float
+    mean_signed_logprob_diff: float
+    logprob_diff_allowance: float
     seconds: float
 
     def settings(self) -> dict[str, dict[str, float]]:
@@ -103,6 +115,9 @@ class Calibration:
                 "max_logprob_diff": self.max_logprob_diff,
                 "near_ties_per_token": self.near_ties_per_token,
                 "near_ties_per_batch_token": self.near_ties_per_batch_token,
+                "mean_logprob_diff": self.mean_logprob_diff,
+                "mean_signed_logprob_diff": self.mean_signed_logprob_diff,
+                "logprob_diff_allowance": self.logprob_diff_allowance,
             },
             "orchestrator": {"near_tie_rate": self.near_tie_rate, "near_tie_slack": self.near_tie_slack},
         }
@@ -181,7 +196,7 @@ def measure(
     finally:
         engine.close()
     gaps: list[np.ndarray] = []
-    tie_tokens, worst_logprob, batch_of, lengths = 0, 0.0, [], []
+    tie_tokens, worst_logprob, batch_of, lengths, errors = 0, 0.0, [], [], []
     stops = sorted(stop_token_ids(model))
     engine = Engine(model, 0, WorkerConfig(dtype=worker_dtype, verify_swaps=0), max_model_len=longest + 8)
     try:
@@ -200,16 +215,21 @@ def measure(
             )
             pairs = [(list(x), list(o.tokens)) for x, o in zip(part, outs)]
             for (_, tokens), result, seed, o in zip(pairs, prefill.run(pairs), seeds, outs):
-                z = result.logits.float()
+                z = scored = result.logits.float()
+                rows = (torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long))
                 if top_p < 1:  # the validator's nucleus (the replay's pass-overs are left aside here)
-                    z = z.masked_fill(~_top_p_kept(z / temperature, top_p), -float("inf"))
+                    kept = _top_p_kept(z / temperature, top_p)
+                    z = scored.masked_fill(~kept, -float("inf"))
+                    kept[rows] = True  # the sampling check recomputes over the nucleus plus the token
+                    scored = scored.masked_fill(~kept, -float("inf"))
                 gaps.append(near_tie_gaps(tokens, z, seed, temperature))
                 batch_of.append(start // per_batch)
                 lengths.append(max(len(tokens), 1))
                 tie_tokens += len(tokens)
-                recomputed = torch.log_softmax(z / temperature, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+                recomputed = torch.log_softmax(scored / temperature, dim=-1)[rows]
                 # as the sampling check states its bound: at T = 1, beyond the top-p boundary term
                 diff = (np.abs(o.logprobs - recomputed.numpy()) - math.log(1 / top_p)).clip(min=0) * temperature
+                errors.append((np.asarray(o.logprobs, dtype=float) - recomputed.numpy()) * temperature)
                 worst_logprob = max(worst_logprob, float(diff.max()))
             report("near ties", start + len(part), tie_samples)
     finally:
@@ -227,6 +247,7 @@ def measure(
     cost = sum(costs)
     by_batch = np.bincount(np.asarray(batch_of, dtype=np.int64), weights=costs) if costs else np.zeros(1)
     budgets = near_tie_budgets(costs, lengths, batch_of, safety, rate_safety)
+    means = logprob_mean_bounds(errors, worker_dtype, safety)
 
     def quantiles(values: np.ndarray, qs: Sequence[str]) -> dict[str, float]:
         return {q: round(float(np.quantile(values, float(q))), 4) if len(values) else 0.0 for q in qs}
@@ -252,6 +273,9 @@ def measure(
         honest_logprob_diff_max=round(worst_logprob, 4),
         honest_sample_excess_per_token_max=round(budgets["excess"], 4),
         honest_batch_cost_per_token_max=round(budgets["batch_rate"], 5),
+        honest_logprob_bias=round(means["signed_bias"], 4),
+        honest_logprob_abs_mean=round(means["abs_mean"], 4),
+        honest_logprob_sample_excess_max=round(means["excess"], 4),
         safety=safety,
         tie_quantile=tie_quantile,
         rate_safety=rate_safety,
@@ -263,5 +287,8 @@ def measure(
         near_tie_slack=max(2.0, math.ceil(10 * rate_safety * float(by_batch.max())) / 10),
         near_ties_per_token=budgets["near_ties_per_token"],
         near_ties_per_batch_token=budgets["near_ties_per_batch_token"],
+        mean_logprob_diff=means["mean_logprob_diff"],
+        mean_signed_logprob_diff=means["mean_signed_logprob_diff"],
+        logprob_diff_allowance=means["logprob_diff_allowance"],
         seconds=round(time.monotonic() - started, 1),
     )

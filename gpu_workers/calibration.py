@@ -145,6 +145,50 @@ def near_tie_budgets(
     }
 
 
+def logprob_mean_bounds(errors: Sequence[np.ndarray], dtype: str, safety: float = 2.0) -> dict[str, float]:
+    """The sampling check's two mean logprob bounds that hold honest samples' measured logprob errors.
+
+    `errors`: per honest sample, stored - recomputed logprob of each token, in T = 1 units (x the temperature).
+    A sample's |sum| and sum of |error|, less its largest |error|, may reach a per-token room x its tokens plus
+    `logprob_diff_allowance` (`gpu_workers.sampling_checks`). Honest rounding errors are about centred, so their
+    sum grows like sqrt(tokens): what a sample of few tokens needs beyond the per-token room is a constant, and
+    room per token is what a shift of every token buys (a worker raising every claim of a 32-token sample by 0.07
+    nats moves its ratio x e^2.2). So the per-token rooms follow the honest mean: `mean_signed_logprob_diff` =
+    `safety` x |the mean error over every token| (a bias of the engines), `mean_logprob_diff` = `safety` x the
+    mean |error|; the allowance is `safety` x the largest need of one sample beyond them. Each rounded up to 0.01,
+    never below the defaults (`SamplingTolerance`, `MEAN_LOGPROB_DIFF` of the dtype). Returned with the
+    measured `signed_bias`, `abs_mean` and `excess`."""
+    from gpu_workers.sampling_checks import MEAN_LOGPROB_DIFF
+    from gpu_workers.verdicts import SamplingTolerance
+
+    defaults = SamplingTolerance()
+    samples = [np.asarray(e, dtype=float).ravel() for e in errors if len(e)]
+    every = np.concatenate(samples) if samples else np.zeros(0)
+    if not np.all(np.isfinite(every)) or not 1 <= safety < math.inf:
+        raise ValueError(f"logprob errors must be finite and safety finite and >= 1 (safety {safety})")
+
+    def hundredths(x: float) -> float:
+        return math.ceil(100 * x - 1e-9) / 100
+
+    bias = abs(float(every.sum())) / max(len(every), 1)
+    abs_mean = float(np.abs(every).mean()) if len(every) else 0.0
+    signed = max(defaults.mean_signed_logprob_diff, hundredths(safety * bias))
+    mean = max(MEAN_LOGPROB_DIFF.get(dtype, MEAN_LOGPROB_DIFF["bfloat16"]), hundredths(safety * abs_mean))
+    excess = 0.0
+    for e in samples:
+        largest = float(np.abs(e).max())
+        need = max(abs(float(e.sum())) - signed * len(e), float(np.abs(e).sum()) - mean * len(e)) - largest
+        excess = max(excess, need)
+    return {
+        "signed_bias": bias,
+        "abs_mean": abs_mean,
+        "excess": excess,
+        "mean_signed_logprob_diff": signed,
+        "mean_logprob_diff": mean,
+        "logprob_diff_allowance": max(defaults.logprob_diff_allowance, hundredths(safety * excess)),
+    }
+
+
 class CalibrationError(ValueError):
     """A bfloat16/float16 replay pool without a calibration of its model; the message says what to run."""
 

@@ -210,6 +210,12 @@ class ValidatorConfig(Section):
     """Replay: a near tie costs 0.25 + 0.75 x gap / (2 x this / T), at most 1 (None: replay_logit_tolerance)."""
     max_logprob_diff: float | None = Field(None, gt=0)
     """Largest |stored - recomputed| logprob of one token at T = 1, beyond log(1 / top_p) (None: per dtype)."""
+    mean_logprob_diff: float | None = Field(None, gt=0)
+    """Largest mean |stored - recomputed| logprob per token of a sample, at T = 1 (None: per dtype)."""
+    mean_signed_logprob_diff: float = Field(0.05, gt=0)
+    """Largest |mean (stored - recomputed)| logprob per token of a sample, at T = 1: claims shifted one way."""
+    logprob_diff_allowance: float = Field(0.1, ge=0)
+    """Room per sample both mean bounds add (besides its largest difference), at T = 1."""
     near_ties_per_token: float = Field(0.05, ge=0)
     """Replay: near-tie cost a sample may spend per completion token, plus 1 (a near tie costs 0.25-1)."""
     near_ties_per_batch_token: float = Field(0.02, ge=0)

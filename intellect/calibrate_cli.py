@@ -4,8 +4,9 @@ write its validator tolerances and near-tie ledger as a recipe fragment.
 The pool's engines run on the model as the pool will run them (`gpu_workers.calibrate.measure`: the workers'
 dtype, the validator's prefill, the pool's temperature, top-p, task prompts and batch shape), and the settings
 that hold what honest workers did come out: `[validator] replay_logit_tolerance`, `tie_logit_tolerance`,
-`max_logprob_diff`, `[orchestrator] near_tie_rate`, `near_tie_slack`, recorded with the model's digest
-(`bridge.weights.model_digest`) and the workers' dtype (`[validator] calibrated_model`, `calibrated_dtype`).
+`max_logprob_diff`, the near-tie budgets and the mean logprob bounds, `[orchestrator] near_tie_rate`,
+`near_tie_slack`, recorded with the model's digest (`bridge.weights.model_digest`) and the workers' dtype
+(`[validator] calibrated_model`, `calibrated_dtype`).
 The recipe includes the file (`include = ["FILE"]` at its top); a bfloat16/float16 replay pool's validators
 refuse to start without it (`gpu_workers.calibration.calibration_problem`). The figures are printed, and with
 `--json` the whole report as one JSON line.
@@ -56,7 +57,11 @@ def fragment(cal, digest: str, command: str) -> str:
         f"near_tie_rate; costliest honest batch {cal.honest_batch_cost_max} x {cal.rate_safety:g} (at least 2) = "
         "near_tie_slack",
         f"# largest honest |stored - recomputed| logprob {cal.honest_logprob_diff_max} x {cal.safety:g} = "
-        "max_logprob_diff",
+        "max_logprob_diff; mean |difference| "
+        f"{cal.honest_logprob_abs_mean} and |mean difference| {cal.honest_logprob_bias} x {cal.safety:g} (at least "
+        "the defaults) = mean_logprob_diff and mean_signed_logprob_diff;",
+        f"# largest need of a sample beyond them {cal.honest_logprob_sample_excess_max} x {cal.safety:g} (at least "
+        "0.1) = logprob_diff_allowance",
         '# A recipe takes it with include = ["THIS FILE"] at its top; validators check calibrated_model against',
         "# the digest of model.path (bridge.weights.model_digest).",
         "",
@@ -127,6 +132,9 @@ def _print_table(cal, out: Path, console) -> None:
         ("costliest honest batch", cal.honest_batch_cost_max, "near_tie_slack"),
         ("near-tie cost beyond 1 per token of a sample", cal.honest_sample_excess_per_token_max, "near_ties_per_token"),
         ("near-tie cost per token of a batch", cal.honest_batch_cost_per_token_max, "near_ties_per_batch_token"),
+        ("mean |stored - recomputed| logprob", cal.honest_logprob_abs_mean, "mean_logprob_diff"),
+        ("|mean stored - recomputed| logprob", cal.honest_logprob_bias, "mean_signed_logprob_diff"),
+        ("a sample's logprob need beyond those", cal.honest_logprob_sample_excess_max, "logprob_diff_allowance"),
     ]
     for label, measured, key in rows:
         table.add_row(label, str(measured), key, str(settings[key]))

@@ -68,6 +68,10 @@ def test_a_bf16_pool_refuses_until_calibrated_and_the_fragment_holds_what_was_me
     # the validator's per-sample and per-batch budgets hold the honest samples and batches measured
     assert v.near_ties_per_token >= max(0.05, 2 * report["honest_sample_excess_per_token_max"])
     assert v.near_ties_per_batch_token >= max(0.02, 2 * report["honest_batch_cost_per_token_max"])
+    # and the sampling check's mean logprob bounds the honest logprob errors measured
+    assert v.mean_signed_logprob_diff >= max(0.05, 2 * report["honest_logprob_bias"])
+    assert v.mean_logprob_diff >= max(0.15, 2 * report["honest_logprob_abs_mean"])
+    assert v.logprob_diff_allowance >= max(0.1, 2 * report["honest_logprob_sample_excess_max"])
     assert calibration_problem(v, cfg.worker, cfg.model.path, o.near_tie_rate) is None
 
     # the ledger is on, at the calibrated rate, in the orchestrator this recipe starts

@@ -290,3 +290,83 @@ def test_budgets_stay_at_the_defaults_where_honest_work_fits_them():
     assert budgets["near_ties_per_batch_token"] == d.near_ties_per_batch_token
     with pytest.raises(ValueError):
         near_tie_budgets([1.0], [8, 8], [0])
+
+
+def _logprob_sample(rng: np.random.Generator, errors, vocab: int = 64):
+    """(tokens, stored logprobs, logits) of a completion whose stored logprobs are the validator's recomputed ones
+    (T 1, top-p 1) plus `errors`: what an engine's rounding (or a worker) did to them."""
+    n = len(errors)
+    logits = rng.normal(0.0, 1.0, (n, vocab)).astype(np.float32)
+    tokens = rng.integers(0, vocab, n)
+    recomputed = _log_softmax(logits.astype(np.float64))[np.arange(n), tokens]
+    return tokens.tolist(), (recomputed + np.asarray(errors)).tolist(), logits
+
+
+# SmolLM2-135M-Instruct in bfloat16: an honest 3-token sample whose stored logprobs sat above the validator's by
+# 0.19 on average (largest 0.306), over the default one-direction bound 0.05 + (0.1 + 0.306) / 3 = 0.185
+SMOL_SHORT = [0.306, 0.17, 0.094]
+
+
+def test_a_logprob_shift_on_every_token_stays_rejected_where_calibrated_bounds_accept_honest_short_samples():
+    """The attack: a worker raises every claimed logprob of a 32-token sample by 0.07 nats (its sequence's ratio
+    x e^2.2 wherever the learner reads the claim). The defaults reject it and reject SMOL_SHORT. Bounds that
+    `logprob_mean_bounds` calibrates from honest work with SMOL_SHORT in it accept every honest sample and still
+    reject the shift: honest errors of few tokens need a constant room, not room per token."""
+    from gpu_workers.calibration import logprob_mean_bounds
+    from gpu_workers.checks import SamplingTolerance, check_sampling_batch
+
+    rng = np.random.default_rng(0)
+    honest_errors = [SMOL_SHORT] + [rng.normal(0.0, 0.03, n) for n in (8, 16, 32, 32, 5, 12, 32, 20)]
+    honest = [_logprob_sample(rng, e) for e in honest_errors]
+    shifted = _logprob_sample(rng, 0.07 + rng.normal(0.0, 0.01, 32))
+
+    defaults = SamplingTolerance()
+    judged = check_sampling_batch(honest + [shifted], 1.0, 1.0, defaults, "bfloat16")
+    assert not judged[0].passed and "one direction" in judged[0].reasons[0]  # the defaults reject honest work
+    assert all(v.passed for v in judged[1:-1])
+    assert not judged[-1].passed
+
+    bounds = logprob_mean_bounds(honest_errors, "bfloat16", safety=2.0)
+    calibrated = SamplingTolerance(
+        mean_logprob_diff=bounds["mean_logprob_diff"],
+        mean_signed_logprob_diff=bounds["mean_signed_logprob_diff"],
+        logprob_diff_allowance=bounds["logprob_diff_allowance"],
+    )
+    again = check_sampling_batch(honest + [shifted], 1.0, 1.0, calibrated, "bfloat16")
+    assert all(v.passed for v in again[:-1]), [v.reasons for v in again[:-1]]
+    assert not again[-1].passed and "one direction" in " ".join(again[-1].reasons)
+    # room per token sized to the short sample instead (2 x its need per token, 0.11) would let the shift through
+    per_token = SamplingTolerance(mean_signed_logprob_diff=0.11)
+    assert check_sampling_batch([shifted], 1.0, 1.0, per_token, "bfloat16")[0].passed
+    # no room per token beyond the defaults (honest errors are centred), the room per sample from SMOL_SHORT
+    assert bounds["mean_signed_logprob_diff"] == defaults.mean_signed_logprob_diff
+    assert bounds["mean_logprob_diff"] == 0.15
+    # the room is what was measured times the safety factor, not more: SMOL_SHORT shifted by twice its honest
+    # excess over the per-token room fits, three times does not
+    excess = sum(SMOL_SHORT) - max(SMOL_SHORT) - 0.05 * 3
+    assert bounds["logprob_diff_allowance"] >= 2 * excess
+    for times, passes in ((2, True), (3, False)):
+        moved = [SMOL_SHORT[0], SMOL_SHORT[1] + (times - 1) * excess / 2, SMOL_SHORT[2] + (times - 1) * excess / 2]
+        verdict = check_sampling_batch([_logprob_sample(rng, moved)], 1.0, 1.0, calibrated, "bfloat16")[0]
+        assert verdict.passed is passes, (times, verdict.reasons)
+
+
+def test_logprob_bounds_follow_an_honest_bias_and_stay_at_the_defaults_where_honest_work_fits_them():
+    from gpu_workers.calibration import logprob_mean_bounds
+    from gpu_workers.checks import SamplingTolerance
+
+    d = SamplingTolerance()
+    rng = np.random.default_rng(1)
+    centred = [rng.normal(0.0, 0.02, 16) for _ in range(32)]
+    bounds = logprob_mean_bounds(centred, "bfloat16")
+    assert bounds["mean_signed_logprob_diff"] == d.mean_signed_logprob_diff
+    assert bounds["logprob_diff_allowance"] == d.logprob_diff_allowance
+    assert bounds["mean_logprob_diff"] == 0.15
+    assert logprob_mean_bounds(centred, "float32")["mean_logprob_diff"] == 0.05
+    # engines that disagree one way by 0.04 nats a token (a real bias, every sample): twice it per token
+    biased = [0.04 + rng.normal(0.0, 0.005, 16) for _ in range(32)]
+    b = logprob_mean_bounds(biased, "bfloat16")
+    assert b["signed_bias"] == pytest.approx(0.04, abs=0.003)
+    assert b["mean_signed_logprob_diff"] == pytest.approx(0.08, abs=0.011)
+    with pytest.raises(ValueError):
+        logprob_mean_bounds([np.array([np.nan])], "bfloat16")

@@ -188,6 +188,9 @@ def test_every_field_reaches_the_component_that_uses_it(tmp_path, tiny_model):
     assert tolerance.replay_logit_tolerance == cfg.validator.replay_logit_tolerance is not None
     assert tolerance.tie_logit_tolerance == cfg.validator.tie_logit_tolerance is not None
     assert tolerance.max_logprob_diff == cfg.validator.max_logprob_diff is not None
+    assert tolerance.mean_logprob_diff == cfg.validator.mean_logprob_diff is not None
+    assert tolerance.mean_signed_logprob_diff == cfg.validator.mean_signed_logprob_diff
+    assert tolerance.logprob_diff_allowance == cfg.validator.logprob_diff_allowance
     assert tolerance.near_ties_per_token == cfg.validator.near_ties_per_token
     assert tolerance.near_ties_per_batch_token == cfg.validator.near_ties_per_batch_token
     assert validator.declared.max_model_len == cfg.data.max_prompt_len + cfg.worker.max_tokens
