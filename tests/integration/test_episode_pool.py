@@ -121,15 +121,27 @@ def test_a_guess_pool_accepts_the_workers_episodes_and_rejects_a_changed_environ
     validator, _ = pool.node("validator", "validator")
     procs = [worker, validator, origin]
 
+    store = RolloutStore.open(pool.run_dir / "rollouts")
+
+    def most_turns(record) -> int:
+        batch = store.read(0, record.batch_id, expect_sha256=record.sha256)
+        sampled = [batch.sampled[int(batch.offsets[i]) + int(batch.prompt_lens[i]) : int(batch.offsets[i + 1])]
+                   for i in range(batch.num_samples)]  # fmt: skip
+        return max(int(np.sum(np.diff(np.r_[0, s]) == 1)) for s in sampled)
+
+    # an accepted batch with a multi-turn episode (a batch whose episodes all ended in one turn, each first answer
+    # cut at the token cap, say, shows no environment tokens: one of CI's runs drew such a first batch)
     accepted = wait_until(
-        lambda: [b for b in pool.batches("accepted") if b.node_key == key], 600, "an accepted batch", procs
+        lambda: [b for b in pool.batches("accepted") if b.node_key == key and most_turns(b) >= 2],
+        600,
+        "an accepted batch with a multi-turn episode",
+        procs,
     )
     rejected = wait_until(
         lambda: [b for b in pool.batches("rejected") if b.node_key == key], 300, "a rejected batch", procs
     )
 
     # the honest batch: multi-turn episodes, accepted with the rewards an independent re-run gives
-    store = RolloutStore.open(pool.run_dir / "rollouts")
     record = accepted[0]
     batch = store.read(0, record.batch_id, expect_sha256=record.sha256)
     assert batch.schema == 2 and batch.meta.sampling["env"] == "guess"
