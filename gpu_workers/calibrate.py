@@ -227,9 +227,10 @@ def measure(
                 lengths.append(max(len(tokens), 1))
                 tie_tokens += len(tokens)
                 recomputed = torch.log_softmax(scored / temperature, dim=-1)[rows]
-                # as the sampling check states its bound: at T = 1, beyond the top-p boundary term
-                diff = (np.abs(o.logprobs - recomputed.numpy()) - math.log(1 / top_p)).clip(min=0) * temperature
-                errors.append((np.asarray(o.logprobs, dtype=float) - recomputed.numpy()) * temperature)
+                error = np.asarray(o.logprobs, dtype=float) - recomputed.numpy()
+                errors.append(error * temperature)  # at T = 1, as the sampling check states its bounds
+                # and its one-token bound beyond the top-p boundary term
+                diff = (np.abs(error) - math.log(1 / top_p)).clip(min=0) * temperature
                 worst_logprob = max(worst_logprob, float(diff.max()))
             report("near ties", start + len(part), tie_samples)
     finally:

@@ -155,9 +155,9 @@ def logprob_mean_bounds(errors: Sequence[np.ndarray], dtype: str, safety: float 
     room per token is what a shift of every token buys (a worker raising every claim of a 32-token sample by 0.07
     nats moves its ratio x e^2.2). So the per-token rooms follow the honest mean: `mean_signed_logprob_diff` =
     `safety` x |the mean error over every token| (a bias of the engines), `mean_logprob_diff` = `safety` x the
-    mean |error|; the allowance is `safety` x the largest need of one sample beyond them. Each rounded up to 0.01,
-    never below the defaults (`SamplingTolerance`, `MEAN_LOGPROB_DIFF` of the dtype). Returned with the
-    measured `signed_bias`, `abs_mean` and `excess`."""
+    mean |error|; the allowance is `safety` x the largest need of one sample beyond them. Each rounded up to 0.01
+    (`logprob_tolerance`), never below the defaults (`SamplingTolerance`, `MEAN_LOGPROB_DIFF` of the dtype).
+    Returned with the measured `signed_bias`, `abs_mean` and `excess`."""
     from gpu_workers.sampling_checks import MEAN_LOGPROB_DIFF
     from gpu_workers.verdicts import SamplingTolerance
 
@@ -167,13 +167,10 @@ def logprob_mean_bounds(errors: Sequence[np.ndarray], dtype: str, safety: float 
     if not np.all(np.isfinite(every)) or not 1 <= safety < math.inf:
         raise ValueError(f"logprob errors must be finite and safety finite and >= 1 (safety {safety})")
 
-    def hundredths(x: float) -> float:
-        return math.ceil(100 * x - 1e-9) / 100
-
     bias = abs(float(every.sum())) / max(len(every), 1)
     abs_mean = float(np.abs(every).mean()) if len(every) else 0.0
-    signed = max(defaults.mean_signed_logprob_diff, hundredths(safety * bias))
-    mean = max(MEAN_LOGPROB_DIFF.get(dtype, MEAN_LOGPROB_DIFF["bfloat16"]), hundredths(safety * abs_mean))
+    signed = max(defaults.mean_signed_logprob_diff, logprob_tolerance(bias, safety))
+    mean = max(MEAN_LOGPROB_DIFF.get(dtype, MEAN_LOGPROB_DIFF["bfloat16"]), logprob_tolerance(abs_mean, safety))
     excess = 0.0
     for e in samples:
         largest = float(np.abs(e).max())
@@ -185,7 +182,7 @@ def logprob_mean_bounds(errors: Sequence[np.ndarray], dtype: str, safety: float 
         "excess": excess,
         "mean_signed_logprob_diff": signed,
         "mean_logprob_diff": mean,
-        "logprob_diff_allowance": max(defaults.logprob_diff_allowance, hundredths(safety * excess)),
+        "logprob_diff_allowance": max(defaults.logprob_diff_allowance, logprob_tolerance(excess, safety)),
     }
 
 
