@@ -50,6 +50,7 @@ from gpu_workers.calibration import (
     logprob_mean_bounds,
     logprob_tolerance,
     near_tie_budgets,
+    near_tie_freedom,
     near_tie_gaps,
     near_tie_rate,
     replay_tolerance,
@@ -104,6 +105,10 @@ class Calibration:
     mean_logprob_diff: float
     mean_signed_logprob_diff: float
     logprob_diff_allowance: float
+    mean_completion_tokens: float
+    near_tie_freedom: dict[str, float]
+    """What the written ledger leaves a cheater per sample beyond honest rounding
+    (`gpu_workers.calibration.near_tie_freedom`: cost, choices_low, choices_high)."""
     seconds: float
 
     def settings(self) -> dict[str, dict[str, float]]:
@@ -249,6 +254,9 @@ def measure(
     by_batch = np.bincount(np.asarray(batch_of, dtype=np.int64), weights=costs) if costs else np.zeros(1)
     budgets = near_tie_budgets(costs, lengths, batch_of, safety, rate_safety)
     means = logprob_mean_bounds(errors, worker_dtype, safety)
+    rate = near_tie_rate(cost / max(tie_tokens, 1), rate_safety)
+    mean_tokens = tie_tokens / max(len(lengths), 1)
+    freedom = near_tie_freedom(rate, cost / max(tie_tokens, 1), mean_tokens)
 
     def quantiles(values: np.ndarray, qs: Sequence[str]) -> dict[str, float]:
         return {q: round(float(np.quantile(values, float(q))), 4) if len(values) else 0.0 for q in qs}
@@ -283,7 +291,7 @@ def measure(
         replay_logit_tolerance=tolerance,
         tie_logit_tolerance=tie,
         max_logprob_diff=logprob_tolerance(worst_logprob, safety),
-        near_tie_rate=near_tie_rate(cost / max(tie_tokens, 1), rate_safety),
+        near_tie_rate=rate,
         # the ledger's slack holds the costliest honest batch seen, with the same room as the rate
         near_tie_slack=max(2.0, math.ceil(10 * rate_safety * float(by_batch.max())) / 10),
         near_ties_per_token=budgets["near_ties_per_token"],
@@ -291,5 +299,7 @@ def measure(
         mean_logprob_diff=means["mean_logprob_diff"],
         mean_signed_logprob_diff=means["mean_signed_logprob_diff"],
         logprob_diff_allowance=means["logprob_diff_allowance"],
+        mean_completion_tokens=round(mean_tokens, 2),
+        near_tie_freedom={k: round(v, 4) for k, v in freedom.items()},
         seconds=round(time.monotonic() - started, 1),
     )

@@ -103,6 +103,45 @@ def near_tie_rate(cost_per_token: float, safety: float = 2.0) -> float:
     return max(1e-4, math.ceil(1e4 * safety * cost_per_token - 1e-9) / 1e4)
 
 
+FREEDOM_WARNING = 0.03
+"""Near-tie choices per sample beyond which `intellect calibrate` warns that the pool's replay leaves a cheater
+room to buy reward: the reward per sample issue 49 holds a near-tie cheater to."""
+
+
+def near_tie_freedom(near_tie_rate: float, honest_cost_per_token: float, mean_tokens: float) -> dict[str, float]:
+    """What the worker's near-tie ledger at `near_tie_rate` leaves a cheater per sample of `mean_tokens` completion
+    tokens, in the long run: its own engines' rounding already spends `honest_cost_per_token`, and what the rate
+    allows beyond it is cost it may spend on near ties of its choosing. Returned: that cost per sample (`cost`) and
+    the near-tie choices it buys, from one per unit (choices at the tie margin or beyond cost 1) to
+    1 / `near_tie_floor` per unit (choices within the tie margin cost the floor) (`choices_low`, `choices_high`).
+    On a task whose reward one token decides (a yes/no answer), a choice is worth up to the reward's whole range:
+    SmolLM2-135M-Instruct in bfloat16 on syllogisms left 0.098 cost per sample, and the near-tie cheater bought
+    0.097 choices and +0.09 reward per sample (benchmarks/RESULTS.md). float32 replay leaves no honest near tie
+    (`needs_calibration`), so no ledger and no freedom."""
+    from gpu_workers.verdicts import SamplingTolerance
+
+    values = (near_tie_rate, honest_cost_per_token, mean_tokens)
+    if not all(0 <= v < math.inf for v in values):
+        raise ValueError(f"rate, honest cost per token and mean tokens must be finite and >= 0; got {values}")
+    cost = max(0.0, near_tie_rate - honest_cost_per_token) * mean_tokens
+    return {"cost": cost, "choices_low": cost, "choices_high": cost / SamplingTolerance.near_tie_floor}
+
+
+def freedom_warning(freedom: Mapping[str, float], dtype: str) -> str | None:
+    """What `intellect calibrate` says when the ledger leaves more than FREEDOM_WARNING near-tie choices per sample
+    (`near_tie_freedom`'s upper figure); None otherwise."""
+    high = freedom["choices_high"]
+    if high <= FREEDOM_WARNING:
+        return None
+    return (
+        f"this {dtype} pool's ledger leaves a worker {freedom['choices_low']:.3f}-{high:.3f} near-tie choices per "
+        "sample beyond its engines' rounding, undetected; on a task whose reward one token decides (a yes/no "
+        "answer) that is up to as much reward per sample, above the "
+        f"{FREEDOM_WARNING:g} a pool should allow. Sample and validate in float32 ([worker] dtype and [validator] "
+        'dtype), which leaves no near tie to choose (docs/verifiable-sampling.md, "Calibrating a pool")'
+    )
+
+
 def logprob_tolerance(largest_diff: float, safety: float = 2.0) -> float:
     """The `max_logprob_diff` (at temperature 1) that holds `safety` x the largest honest |stored - recomputed|
     logprob measured (rounded up to 0.01, at least 0.01)."""

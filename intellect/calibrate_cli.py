@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -43,8 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def fragment(cal, digest: str, command: str) -> str:
     """The recipe fragment of a calibration (`gpu_workers.calibrate.Calibration`) of the model `digest`."""
+    from gpu_workers.calibration import freedom_warning
+
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     settings = cal.settings()
+    free, warning = cal.near_tie_freedom, freedom_warning(cal.near_tie_freedom, cal.worker_dtype)
     lines = [
         f"# {command}",
         f"# {when}: {cal.model}, {cal.worker_dtype} worker and {cal.validator_dtype} validator, T {cal.temperature:g}, "
@@ -62,6 +66,10 @@ def fragment(cal, digest: str, command: str) -> str:
         "the defaults) = mean_logprob_diff and mean_signed_logprob_diff;",
         f"# largest need of a sample beyond them {cal.honest_logprob_sample_excess_max} x {cal.safety:g} (at least "
         "0.1) = logprob_diff_allowance",
+        f"# near-tie freedom: the ledger leaves a worker {free['cost']} cost per sample of "
+        f"{cal.mean_completion_tokens} tokens beyond its rounding, {free['choices_low']}-{free['choices_high']} "
+        "near-tie choices it may make unseen",
+        *(f"# WARNING: {line}" for line in textwrap.wrap(warning or "", 106)),
         '# A recipe takes it with include = ["THIS FILE"] at its top; validators check calibrated_model against',
         "# the digest of model.path (bridge.weights.model_digest).",
         "",
@@ -139,6 +147,13 @@ def _print_table(cal, out: Path, console) -> None:
     for label, measured, key in rows:
         table.add_row(label, str(measured), key, str(settings[key]))
     table.add_row("honest near ties", f"{cal.honest_near_ties} in {cal.tie_tokens} tokens", "", "")
+    free = cal.near_tie_freedom
+    table.add_row(
+        "near-tie choices a worker may make unseen, per sample",
+        f"{free['choices_low']}-{free['choices_high']}",
+        "",
+        "",
+    )
     console.print(table)
     console.print(f'written: {out} (include it in the pool\'s recipe: include = ["{out}"])')
 
@@ -185,7 +200,7 @@ def measure_pool(cfg, model: Path, args: argparse.Namespace, progress=None):
 
 def run(args: argparse.Namespace) -> int:
     from bridge.weights import WeightsError, model_digest
-    from gpu_workers.calibration import needs_calibration
+    from gpu_workers.calibration import freedom_warning, needs_calibration
     from intellect.cli import config_from_args
     from intellect.config import ConfigError
 
@@ -208,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(fragment(cal, digest, command))
     _print_table(cal, out, bar.console)
+    warning = freedom_warning(cal.near_tie_freedom, cal.worker_dtype)
+    if warning:
+        bar.console.print(f"[bold yellow]warning:[/] {warning}")
     if args.json:
         print(json.dumps({**cal.report(), "calibrated_model": digest, "out": str(out)}))
     return 0

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bridge.weights import model_digest
 from gpu_workers.calibration import calibration_problem
 from intellect import cli
@@ -73,6 +75,13 @@ def test_a_bf16_pool_refuses_until_calibrated_and_the_fragment_holds_what_was_me
     assert v.mean_logprob_diff >= max(0.15, 2 * report["honest_logprob_abs_mean"])
     assert v.logprob_diff_allowance >= max(0.1, 2 * report["honest_logprob_sample_excess_max"])
     assert calibration_problem(v, cfg.worker, cfg.model.path, o.near_tie_rate) is None
+    # what the ledger leaves a cheater beyond honest rounding, per sample of the 16 measured, is in the report
+    free = report["near_tie_freedom"]
+    beyond = (o.near_tie_rate - report["honest_near_tie_cost_per_token"]) * report["tie_tokens"] / 16
+    assert free["cost"] == pytest.approx(beyond, abs=1e-4) and free["choices_high"] == pytest.approx(
+        4 * free["cost"], abs=4e-4
+    )
+    assert f"{free['choices_low']}-{free['choices_high']} near-tie choices" in out.read_text()
 
     # the ledger is on, at the calibrated rate, in the orchestrator this recipe starts
     from intellect.orchestrator_cli import build_app

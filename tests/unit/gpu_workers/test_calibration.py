@@ -370,3 +370,39 @@ def test_logprob_bounds_follow_an_honest_bias_and_stay_at_the_defaults_where_hon
     assert b["mean_signed_logprob_diff"] == pytest.approx(0.08, abs=0.011)
     with pytest.raises(ValueError):
         logprob_mean_bounds([np.array([np.nan])], "bfloat16")
+
+
+# What `intellect calibrate` measured (near_tie_rate written, honest near-tie cost per token, completion tokens of
+# its 2,048 honest samples), and the near-tie cheater against that calibration, strike-free
+# (benchmarks/near_tie_cheater.py; benchmarks/RESULTS.md, issue 49): its choices and gain per sample
+CHEATER_MEASURED = {
+    "demo, RL step 10": (0.0038, 0.001878, 16399, 36 / 1024, 0.0371),
+    "demo, RL step 30": (0.0023, 0.001142, 16397, 27 / 1024, 0.0312),
+    "SmolLM2-135M-Instruct on syllogisms": (0.0267, 0.013309, 14973, 31 / 320, 0.0905),
+}
+
+
+@pytest.mark.parametrize("pool", sorted(CHEATER_MEASURED))
+def test_near_tie_freedom_bounds_the_choices_a_cheater_bought_and_warns_where_it_gained_over_the_target(pool):
+    from gpu_workers.calibration import FREEDOM_WARNING, freedom_warning, near_tie_freedom
+    from gpu_workers.verdicts import SamplingTolerance
+
+    rate, honest, tokens, choices, gain = CHEATER_MEASURED[pool]
+    free = near_tie_freedom(rate, honest, tokens / 2048)
+    assert free["choices_low"] == pytest.approx((rate - honest) * tokens / 2048)
+    assert free["choices_high"] == pytest.approx(free["choices_low"] / SamplingTolerance.near_tie_floor)
+    assert choices <= free["choices_high"]  # what the cheater bought is within what the ledger left it
+    assert gain > FREEDOM_WARNING  # each of these pools let it gain more than the target: the command says so
+    warning = freedom_warning(free, "bfloat16")
+    assert warning and "float32" in warning and f"{free['choices_high']:.3f}" in warning
+
+
+def test_a_ledger_at_the_honest_rate_leaves_no_freedom_and_no_warning():
+    from gpu_workers.calibration import freedom_warning, near_tie_freedom
+
+    free = near_tie_freedom(0.0023, 0.0023, 8.0)
+    assert free == {"cost": 0.0, "choices_low": 0.0, "choices_high": 0.0}
+    assert freedom_warning(free, "bfloat16") is None
+    assert freedom_warning(near_tie_freedom(0.0018, 0.0009, 8.0), "bfloat16") is None  # 0.0288: below 0.03
+    with pytest.raises(ValueError, match="finite"):
+        near_tie_freedom(math.inf, 0.0, 8.0)
