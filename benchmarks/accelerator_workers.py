@@ -9,7 +9,8 @@ torch and transformers only (the stock GPU image has no vLLM); the decode stage 
 skipped, with the reason, without it.
 
 - `validator_prefill`: tokens/s of the validator's prefill (`gpu_workers.prefill.Prefill`, bf16) on the GPU
-  and on the CPU, and their ratio (issue 34 asks >= 20x).
+  and on the CPU, and their ratio (issue 34 asks >= 20x); and on the GPU in float32, over bf16: the validator's
+  price of float32 replay (issue 49).
 - `toploc_cross_device`: TOPLOC proofs built from one device's hidden states checked against the other
   device's recomputation, GPU -> CPU and CPU -> GPU, in bf16 and float32: samples accepted of samples, and
   the worst chunk's exponent mismatches and mantissa errors (the proofs are always of the bf16 states).
@@ -17,7 +18,8 @@ skipped, with the reason, without it.
   one token swapped for the seed-free argmax (tampered), replayed by the validator's check on GPU logits on
   the GPU and on CPU logits on the CPU: the verdicts (pass, off-seed tokens, near ties) must be identical.
 - `vllm_decode`: decode tokens/s of the worker's engine (`gpu_workers.engine.Engine`) with the TOPLOC capture
-  on and off, eager and with CUDA graphs and compilation, and the two ratios issue 34 measures.
+  on and off, eager and with CUDA graphs and compilation, and the two ratios issue 34 measures; and with graphs
+  in float32 (capture on), over bf16: the worker's price of float32 replay (issue 49).
 """
 
 from __future__ import annotations
@@ -109,6 +111,21 @@ def validator_prefill(small: bool) -> dict:
         }
         del prefill
     result["speedup"] = round(result["accelerator"]["tokens_per_s"] / result["cpu"]["tokens_per_s"], 2)
+    # the price of float32 replay (issue 49: a bfloat16 pool of a real model leaves near ties a cheater chooses
+    # among; float32 leaves none): the same prefill on the accelerator in float32
+    count, prompt, completion = sizes[accel]
+    samples = _samples(count, prompt, completion, vocab)
+    prefill = Prefill(model, "float32", accel)
+    prefill.run(samples[:1])
+    _synchronize(accel)
+    start = time.perf_counter()
+    prefill.run(samples)
+    _synchronize(accel)
+    seconds = time.perf_counter() - start
+    del prefill
+    tokens = count * (prompt + completion)
+    result["accelerator_float32"] = {"seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1)}
+    result["float32_over_bfloat16"] = round(tokens / seconds / result["accelerator"]["tokens_per_s"], 3)
     return result
 
 
@@ -238,12 +255,15 @@ def vllm_decode(small: bool) -> dict:
     prompts = [p for p, _ in _samples(128, 128, 1, _vocab(model), seed=3)]
     seeds = list(range(len(prompts)))
     result: dict = {"model": model.name, "requests": len(prompts), "max_tokens": 256}
-    for eager in (True, False):
-        engine = Engine(model, 0, WorkerConfig(temperature=1.0, enforce_eager=eager, verify_swaps=0), 1024)
+    # eager and graphs in bfloat16 (the worker's default), capture on and off; then graphs in float32, capture on
+    # (the price of float32 replay, which leaves a cheater no near tie: issue 49)
+    for eager, dtype in ((True, "bfloat16"), (False, "bfloat16"), (False, "float32")):
+        config = WorkerConfig(temperature=1.0, enforce_eager=eager, verify_swaps=0, dtype=dtype)
+        engine = Engine(model, 0, config, 1024)
         try:
-            mode = "eager" if engine.eager else "graphs"
+            mode = ("eager" if engine.eager else "graphs") + ("" if dtype == "bfloat16" else f"_{dtype}")
             engine.generate(prompts[:8], seeds[:8], temperature=1.0, max_tokens=16)  # warm-up
-            for proofs in (True, False):
+            for proofs in (True, False) if dtype == "bfloat16" else (True,):
                 start = time.perf_counter()
                 done = engine.generate(prompts, seeds, temperature=1.0, max_tokens=256, proofs=proofs)
                 seconds = time.perf_counter() - start
@@ -260,6 +280,10 @@ def vllm_decode(small: bool) -> dict:
         on, off = result["graphs_capture_on"]["tokens_per_s"], result["graphs_capture_off"]["tokens_per_s"]
         result["capture_cost_pct_graphs"] = round(100 * (1 - on / off), 2)
         result["graphs_over_eager"] = round(off / result["eager_capture_off"]["tokens_per_s"], 2)
+    if "graphs_float32_capture_on" in result and "graphs_capture_on" in result:
+        result["float32_over_bfloat16"] = round(
+            result["graphs_float32_capture_on"]["tokens_per_s"] / result["graphs_capture_on"]["tokens_per_s"], 3
+        )
     return result
 
 

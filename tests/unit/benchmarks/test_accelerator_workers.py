@@ -33,6 +33,11 @@ def test_prefill_speed_is_measured_on_both_sides(stages):
         assert result[side]["tokens_per_s"] > 0
     ratio = result["accelerator"]["tokens_per_s"] / result["cpu"]["tokens_per_s"]
     assert result["speedup"] == pytest.approx(ratio, rel=0.01, abs=0.005)  # printed to 2 decimals
+    # and float32 on the accelerator, over bfloat16: the price of float32 replay
+    f32 = result["accelerator_float32"]["tokens_per_s"]
+    assert f32 > 0 and result["float32_over_bfloat16"] == pytest.approx(
+        f32 / result["accelerator"]["tokens_per_s"], rel=0.01
+    )
 
 
 def test_cross_device_proofs_are_accepted_both_ways_in_both_dtypes(stages):
