@@ -383,6 +383,8 @@ class Validator:
         near_ties = dict(  # for the worker's near-tie ledger (`[orchestrator] near_tie_rate`)
             near_tie_cost=float(ledger.get("near_tie_cost", 0.0)), near_tie_tokens=int(ledger.get("tokens", 0))
         )
+        if result.accepted:  # and the samples the learner leaves out (`[loss] near_tie_samples`)
+            near_ties["near_tie_samples"] = result.near_tie_samples()
         if result.accepted:
             values = flat_logprobs(batch, result.logprobs)  # every sample of an accepted batch was prefilled
             try:

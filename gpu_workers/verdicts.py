@@ -71,6 +71,12 @@ class BatchVerdict:
                 counts[name] = counts.get(name, 0) + 1
         return counts
 
+    def near_tie_samples(self) -> list[int]:
+        """Indices of the samples whose replay took a near tie (`near_ties` > 0: a token within the engines'
+        rounding of the seed's choice by the validator's logits, but not it, or a pass-over of the nucleus): where a
+        worker could have chosen among tokens unseen, and what the learner leaves out (`[loss] near_tie_samples`)."""
+        return [s.index for s in self.samples if s.numbers("replay").get("near_ties", 0) > 0]
+
     def reasons(self, limit: int = 20) -> list[str]:
         """Up to `limit` reasons, batch-level first, each prefixed with where it applies; those of checks that
         did not run come last, once per check."""

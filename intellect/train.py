@@ -103,6 +103,7 @@ def build_learner(cfg, release_memory=None, on_record=None):
         async_level=t.async_level,
         keep_versions=t.rollout_keep_versions,
         engine_logprobs=engine_logprobs_source(cfg),
+        near_tie_samples=cfg.loss.near_tie_samples,
     )
     learner = Learner(
         trainer,

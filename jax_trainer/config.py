@@ -160,6 +160,8 @@ class LossConfig(Section):
     """Temperature the learner divides logits by; must equal worker.temperature."""
     logprob_source: Literal["recompute", "inference", "validator"] = "recompute"
     """pi_old: the learner's ("recompute"), the worker's claim ("inference": trusted workers) or the validator's."""
+    near_tie_samples: Literal["drop", "train"] = "drop"
+    """Samples whose replay took a near tie (a worker could have chosen it; verdicts name them): "drop" or "train"."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:

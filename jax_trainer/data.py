@@ -41,6 +41,12 @@ Structure, and why:
   or whose file does not hash to the digest, is invalid), so no worker's claim enters a ratio; or "worker",
   the batch's own (`full_logprobs` where the worker recorded them), for trusted single-box runs and
   `logprob_source = "inference"`.
+- Samples whose replay took a near tie (the verdict's `near_tie_samples`: a token within the engines' rounding of
+  the seed's choice but not it, where a worker could have chosen among tokens and the validator cannot tell) are
+  left out (`near_tie_samples = "drop"`, `[loss] near_tie_samples`): no near-tie choice trains, whatever it was
+  chosen for. Their group's advantages come from the samples left; the step's stats count them
+  (`near_tie_samples_dropped`). float32 pools have next to none; a bfloat16 pool of a real model loses the share
+  of its samples with an honest rounding flip (docs/verifiable-sampling.md).
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class AcceptedBatch:
     sha256: str | None = None  # the COMMIT digest the validator checked; None: not pinned
     store_url: str | None = None  # the store holding it; None: the pipeline's own store
     logprobs_sha256: str | None = None  # digest of the validator's logprobs beside it; None: it wrote none
+    near_tie_samples: tuple[int, ...] = ()  # samples whose replay took a near tie (the verdict's): left out by default
 
     def __post_init__(self):
         if isinstance(self.version, bool) or not isinstance(self.version, (int, np.integer)) or self.version < 0:
@@ -206,7 +213,9 @@ class RolloutPipeline:
     poll_interval: seconds between listings when nothing new is there; keep_versions: if set, delete store
     versions older than step - keep_versions + 1 (>= async_level + 1); read_retries: extra read attempts
     before a batch counts as invalid; engine_logprobs: whose logprobs the ratios divide by, "validator" (read
-    beside each batch under its verdict's digest) or "worker" (the batch's own; module docstring).
+    beside each batch under its verdict's digest) or "worker" (the batch's own; module docstring);
+    near_tie_samples: "drop" leaves out the samples each verdict names as having taken a near tie (module
+    docstring), "train" trains them.
     """
 
     def __init__(
@@ -230,6 +239,7 @@ class RolloutPipeline:
         keep_versions: int | None = None,
         read_retries: int = 1,
         engine_logprobs: str = "worker",
+        near_tie_samples: str = "drop",
     ):
         if (
             samples_per_step <= 0
@@ -243,6 +253,8 @@ class RolloutPipeline:
             )
         if engine_logprobs not in ("worker", "validator"):
             raise ValueError(f"RolloutPipeline: engine_logprobs {engine_logprobs!r} is not 'worker' or 'validator'")
+        if near_tie_samples not in ("drop", "train"):
+            raise ValueError(f"RolloutPipeline: near_tie_samples {near_tie_samples!r} is not 'drop' or 'train'")
         if keep_versions is not None and keep_versions < async_level + 1:
             raise ValueError(
                 f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
@@ -262,7 +274,7 @@ class RolloutPipeline:
         self.async_level, self.vocab_size = async_level, vocab_size
         self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
         self.keep_versions, self.read_retries = keep_versions, read_retries
-        self.engine_logprobs = engine_logprobs
+        self.engine_logprobs, self.drop_near_ties = engine_logprobs, near_tie_samples == "drop"
         self._stores: dict[str, RolloutStore] = {}
         self._consumed: set[tuple[int, str]] = set()
         self._totals: collections.Counter[str] = collections.Counter()
@@ -401,7 +413,13 @@ class RolloutPipeline:
             b = item.batch
             _, local = np.unique(b.group_ids, return_inverse=True)  # groups never span batches
             name = batch_path(*item.key)
+            left_out = set(item.record.near_tie_samples) if self.drop_near_ties else set()
+            if left_out:
+                self._counts["near_tie_samples_dropped"] += len(left_out)
+                self._totals["near_tie_samples_dropped"] += len(left_out)
             for i in range(b.num_samples):
+                if i in left_out:  # a token of it was a near tie the worker could have chosen: it trains nothing
+                    continue
                 out.append(
                     Rollout(
                         b.sample_tokens(i),
@@ -497,7 +515,12 @@ class OrchestratorListing:
         for r in records:
             rewards = None if r.rewards is None else np.asarray(r.rewards, np.float32)
             self._known[(r.version, r.batch_id)] = AcceptedBatch(
-                r.batch_id, r.version, rewards, r.sha256, logprobs_sha256=r.logprobs_sha256
+                r.batch_id,
+                r.version,
+                rewards,
+                r.sha256,
+                logprobs_sha256=r.logprobs_sha256,
+                near_tie_samples=tuple(r.near_tie_samples),
             )
         self._known = {k: v for k, v in self._known.items() if k[0] >= min_version}
         return list(self._known.values())  # in the order the validators judged them

@@ -27,7 +27,8 @@ service's own secrets by name: `assignment` salts every assignment's draws (`bri
 when the database is made (or upgraded) and kept, so the draws survive restarts.
 `assignments.salt` is the salt of an assignment's draws, derived from that secret when it is issued (NULL for
 one issued before schema 8: its draws were unsalted), and `assignments.logprobs_sha256` the digest of the
-logprobs the validator wrote beside an accepted batch.
+logprobs the validator wrote beside an accepted batch; `assignments.near_tie_samples` (schema 9) lists the samples
+of an accepted batch whose replay took a near tie, which the learner leaves out by default.
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -67,7 +68,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -163,6 +164,7 @@ class Work(Base):
     near_tie_cost: Mapped[float | None] = mapped_column(Float, nullable=True)  # the worker's near-tie ledger
     near_tie_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     logprobs_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the validator's logprobs
+    near_tie_samples: Mapped[list | None] = mapped_column(JSON, nullable=True)  # the learner leaves them out
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
 
 
@@ -288,6 +290,17 @@ def _v7_to_v8(conn: Connection) -> None:
 
 
 MIGRATIONS[7] = _v7_to_v8
+
+
+def _v8_to_v9(conn: Connection) -> None:
+    """`near_tie_samples`: the samples of an accepted batch whose replay took a near tie (batches judged before
+    have none: NULL, read as no sample)."""
+    names = {c["name"] for c in inspect(conn).get_columns(Work.__tablename__)}
+    if "near_tie_samples" not in names:
+        conn.execute(text("ALTER TABLE assignments ADD COLUMN near_tie_samples JSON"))
+
+
+MIGRATIONS[8] = _v8_to_v9
 
 
 def sqlite_url(path: str | Path) -> str:

@@ -563,6 +563,7 @@ class WorkScheduler:
                 near_tie_cost=msg.near_tie_cost,
                 near_tie_tokens=msg.near_tie_tokens,
                 logprobs_sha256=msg.logprobs_sha256 if accepted else None,
+                near_tie_samples=list(msg.near_tie_samples) if accepted else None,
             )
             hot.write(conn, _UPDATE, {"wid": work.id, **change})
             vars(work).update(change)
@@ -676,6 +677,7 @@ def batch_dict(w: Any, now: float, public: bool) -> dict:
             verified_tokens=w["verified_tokens"],
             assignment_salt=w["salt"],
             logprobs_sha256=w["logprobs_sha256"],
+            near_tie_samples=w["near_tie_samples"] or [],
         )
     return out
 
@@ -706,4 +708,5 @@ def batch_record(w: Any, now: float) -> BatchRecord:
         rewards=w.rewards,
         verified_tokens=w.verified_tokens,
         logprobs_sha256=w.logprobs_sha256,
+        near_tie_samples=w.near_tie_samples or [],
     )

@@ -254,6 +254,9 @@ class BatchRecord(Reply):
     logprobs_sha256: str | None = Field(
         None, description="digest of the validator's logprobs written beside the batch (`bridge.validator_logprobs`)"
     )
+    near_tie_samples: list[int] = Field(
+        [], description="samples whose replay took a near tie (the verdict's; accepted batches): not trained by default"
+    )
 
 
 class BatchList(Reply):
@@ -301,6 +304,7 @@ class ClaimResponse(Reply):
     )
 
 
+SampleIndex = Annotated[int, Field(ge=0, lt=1 << 24)]
 CheckName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z0-9_.-]+$")]
 
 
@@ -324,6 +328,13 @@ class Verdict(Request):
         description="the replay check's near-tie cost summed over the batch (the worker's near-tie ledger)",
     )
     near_tie_tokens: int = Field(0, ge=0, le=1 << 40, description="completion tokens the replay check judged")
+    near_tie_samples: list[SampleIndex] = Field(
+        default=[],
+        max_length=1 << 24,
+        description="indices (increasing) of the samples whose replay took a near tie: a token that is not the "
+        "seed's choice by the validator's logits, within the engines' rounding of it. A worker could have chosen "
+        'it; the learner trains none of them unless `[loss] near_tie_samples = "train"`',
+    )
     logprobs_sha256: Hex64 | None = Field(
         None,
         description="digest of the logprobs the validator recomputed and wrote beside the batch "
@@ -332,6 +343,12 @@ class Verdict(Request):
 
     @model_validator(mode="after")
     def _consistent(self) -> Verdict:
+        if any(b <= a for a, b in zip(self.near_tie_samples, self.near_tie_samples[1:])):
+            raise ValueError("near_tie_samples must be increasing sample indices")
+        if self.accepted and self.near_tie_samples and self.near_tie_samples[-1] >= len(self.rewards):
+            raise ValueError(
+                f"near_tie_samples: index {self.near_tie_samples[-1]} for {len(self.rewards)} rewarded samples"
+            )
         if self.accepted and self.failed_checks:
             raise ValueError("failed_checks must be empty when accepted is true")
         if not self.accepted and self.logprobs_sha256 is not None:

@@ -114,3 +114,52 @@ def test_a_schema_6_database_gains_the_near_tie_columns_and_its_batches_spent_no
     assert _send(again, worker, validator, "over", 2.0).status == "rejected"  # 5.0 > 0.002 x 1024 + 2
     with sqlite3.connect(tmp_path / "orchestrator.db") as conn:
         assert conn.execute("SELECT version FROM schema_info").fetchone() == (SCHEMA_VERSION,)
+
+
+def test_near_tie_samples_reach_the_learner_s_listing_and_hostile_ones_get_a_422(tmp_path):
+    """A verdict's `near_tie_samples` (the samples the learner leaves out: issue 49, test_near_tie_choice.py) out
+    of order, repeated, negative, past the batch's rewards, not integers or huge: 422 through the fast lane, and
+    the batch stays unjudged; valid ones are kept with the batch and listed to the learner, not to the public."""
+    import json
+
+    from bridge.protocol.signing import sign_request
+
+    pool = Pool(tmp_path, **SETTINGS)
+    worker, validator = pool.node("worker"), pool.node("validator")
+    [a] = worker.heartbeat().assignments
+    pool.submit(worker, a, "nts")
+    assert validator.claim().batch.batch_id == "nts"
+    path = "/v1/batches/nts/verdict"
+    for samples in ([2, 1], [1, 1], [-1], [0, 4], ["x"], [1.5], [10**30], list(range(5))):
+        body = json.dumps({"accepted": True, "rewards": [1.0] * 4, "num_tokens": 20, "near_tie_samples": samples})
+        headers = sign_request(validator.key, "POST", path, body.encode(), timestamp_ms=int(pool.clock() * 1000))
+        reply = pool.http.post(path, content=body, headers={**headers, "Content-Type": "application/json"})
+        assert reply.status_code == 422, (samples, reply.status_code, reply.text[:300])
+    assert pool.admin.batches("accepted").batches == []
+    posted = Verdict(accepted=True, rewards=[1.0] * 4, num_tokens=20, near_tie_samples=[1, 3])
+    assert validator.verdict("nts", posted).near_tie_samples == [1, 3]
+    [listed] = pool.admin.all_batches("accepted")[0]
+    assert listed.batch_id == "nts" and listed.near_tie_samples == [1, 3]  # what the learner reads
+    public = pool.http.get("/v1/batches?status=accepted").json()["batches"]
+    assert [b["batch_id"] for b in public] == ["nts"] and "near_tie_samples" not in public[0]
+
+
+def test_a_schema_8_database_gains_near_tie_samples_and_its_batches_list_none(tmp_path):
+    import sqlite3
+
+    from orchestrator.db import SCHEMA_VERSION
+
+    pool = Pool(tmp_path, **SETTINGS)
+    worker, validator = pool.node("worker"), pool.node("validator")
+    assert _send(pool, worker, validator, "before", 0.5).status == "accepted"
+    pool.svc.close()
+    conn = sqlite3.connect(tmp_path / "orchestrator.db")  # as schema 8 left it
+    conn.execute("ALTER TABLE assignments DROP COLUMN near_tie_samples")
+    conn.execute("UPDATE schema_info SET version = 8")
+    conn.commit()
+    conn.close()
+    again = Pool(tmp_path, **SETTINGS)
+    with sqlite3.connect(tmp_path / "orchestrator.db") as conn:
+        assert conn.execute("SELECT version FROM schema_info").fetchone() == (SCHEMA_VERSION,)
+    [before] = again.admin.all_batches("accepted")[0]
+    assert before.batch_id == "before" and before.near_tie_samples == []
