@@ -18,6 +18,11 @@ batches within rate x tokens + slack) and what honest workers' ledgers do:
   1,000 batches. The calibration sets the rate and slack as `intellect calibrate` does: `--rate-safety` x the
   honest cost per token, and that many times the costliest honest batch (at least 2) as the slack.
 
+Besides, what the learner's default leaves the cheater (`near_tie_samples_dropped`: every sample whose replay
+took a near tie is left out of training, `dropping`): its gain in the mean reward of what trains, where it can
+only take the swaps that cost nothing and leave out wrong samples by making them take a near tie (at 1 and at the
+floor 0.25 each), and the share of honest samples left out.
+
 Ledgers (`--rate-safety`, a comma list): each rate-safety factor applied to the honest cost per token measured by
 the calibration file (`--calibration`, its `near_tie_rate` / 2 by default) for the cheater, and to each trial's
 own calibration for honest workers.
@@ -92,6 +97,56 @@ def strike_free(batches: list[dict], rate: float, slack: float, budgets) -> dict
     return {"reserve": None}
 
 
+def dropping(batches: list[dict], rate: float, slack: float, budgets, drop_cost: float) -> dict:
+    """What trains where the learner leaves out every sample whose replay took a near tie (`[loss]
+    near_tie_samples = "drop"`, the default): an honest worker's samples with no near-tie cost train; the
+    cheater's near-tie swaps train nothing, so it takes only the swaps that cost nothing (the task's answer is
+    the seed's own choice by the validator's logits, where its engine's rounding had taken another token), and
+    then selects: it makes wrong samples (lowest reward first) take a near tie, at `drop_cost` each (1 beyond the
+    tie margin, the floor 0.25 within it; assumed available in every sample), so that they do not train, while
+    its batch stays within the per-batch budget and its accepted batches within the ledger (rate, slack).
+
+    `gain_points`: its trained samples' mean reward minus the honest trained samples' of the same batches;
+    `honest_dropped_share`: the honest samples left out (the defence's cost to honest work)."""
+    spent, judged, strikes = 0.0, 0, 0
+    honest_trained, cheat_trained, dropped, total, free_swaps, selected = [], [], 0, 0, 0, 0
+    for b in batches:
+        if not b["honest_accepted"]:
+            continue
+        cost, tokens, rewards = list(b["cost"]), list(b["tokens"]), list(b["rewards"])
+        total += len(cost)
+        dropped += sum(c > 0 for c in cost)
+        for i, c, t, _ in b["candidates"]:
+            if c == 0:  # the answer is the seed's own choice: it trains as an honest sample would
+                cost[i], tokens[i], rewards[i] = 0.0, t, 1.0
+                free_swaps += 1
+        order = sorted((r, i) for i, (r, c) in enumerate(zip(rewards, cost)) if c == 0)
+        for r, i in order:
+            trained = [x for x, c in zip(rewards, cost) if c == 0]
+            if not trained or r >= float(np.mean(trained)):
+                break  # leaving out a sample at or above the trained mean does not raise it
+            trial = sum(cost) + drop_cost
+            if spent + trial > rate * (judged + sum(tokens)) + slack or not _batch_ok(trial, sum(tokens), budgets):
+                break
+            cost[i] = drop_cost
+            selected += 1
+        if spent + sum(cost) <= rate * (judged + sum(tokens)) + slack:
+            spent, judged = spent + sum(cost), judged + sum(tokens)
+            cheat_trained += [r for r, c in zip(rewards, cost) if c == 0]
+            honest_trained += [r for r, c in zip(b["rewards"], b["cost"]) if c == 0]
+        else:
+            strikes += 1
+    gain = float(np.mean(cheat_trained)) - float(np.mean(honest_trained)) if cheat_trained else math.nan
+    return {
+        "drop_cost": drop_cost,
+        "gain_points": round(100 * gain, 2),
+        "strikes": strikes,
+        "free_swaps": free_swaps,
+        "selected": selected,
+        "honest_dropped_share": round(dropped / max(total, 1), 4),
+    }
+
+
 def honest_strikes(costs: np.ndarray, tokens: np.ndarray, rate: float, slack: float) -> int:
     """Strikes of an honest worker sending these batches under the ledger: each batch that would take its accepted
     batches over rate x tokens + slack is rejected (and not counted in the ledger)."""
@@ -132,6 +187,11 @@ def main() -> int:
         "calibration_slack": cal["orchestrator"]["near_tie_slack"],
         "ledgers": [],
     }
+    # the learner's default: no sample with a near tie trains (the cheater's choices with it), at the calibration
+    out["near_tie_samples_dropped"] = [
+        dropping(batches, 2 * honest_rate, cal["orchestrator"]["near_tie_slack"], budgets, drop_cost)
+        for drop_cost in (1.0, 0.25)
+    ]
     for safety in (float(x) for x in args.rate_safety.split(",")):
         rate = safety * honest_rate
         row = {"rate_safety": safety, "near_tie_rate": round(rate, 6)}

@@ -106,6 +106,9 @@ class Calibration:
     mean_signed_logprob_diff: float
     logprob_diff_allowance: float
     mean_completion_tokens: float
+    honest_near_tie_sample_share: float
+    """The share of honest samples with a near tie: what the learner leaves out of a pool's training
+    (`[loss] near_tie_samples = "drop"`, the default)."""
     near_tie_freedom: dict[str, float]
     """What the written ledger leaves a cheater per sample beyond honest rounding
     (`gpu_workers.calibration.near_tie_freedom`: cost, choices_low, choices_high)."""
@@ -300,6 +303,7 @@ def measure(
         mean_signed_logprob_diff=means["mean_signed_logprob_diff"],
         logprob_diff_allowance=means["logprob_diff_allowance"],
         mean_completion_tokens=round(mean_tokens, 2),
+        honest_near_tie_sample_share=round(sum(len(g) > 0 for g in gaps) / max(len(gaps), 1), 4),
         near_tie_freedom={k: round(v, 4) for k, v in freedom.items()},
         seconds=round(time.monotonic() - started, 1),
     )

@@ -68,7 +68,8 @@ def fragment(cal, digest: str, command: str) -> str:
         "0.1) = logprob_diff_allowance",
         f"# near-tie freedom: the ledger leaves a worker {free['cost']} cost per sample of "
         f"{cal.mean_completion_tokens} tokens beyond its rounding, {free['choices_low']}-{free['choices_high']} "
-        "near-tie choices it may make unseen",
+        "near-tie choices it may make unseen (none of which trains: the learner leaves out the samples with a near "
+        f"tie, {cal.honest_near_tie_sample_share:.1%} of honest ones here)",
         *(f"# WARNING: {line}" for line in textwrap.wrap(warning or "", 106)),
         '# A recipe takes it with include = ["THIS FILE"] at its top; validators check calibrated_model against',
         "# the digest of model.path (bridge.weights.model_digest).",
@@ -147,6 +148,7 @@ def _print_table(cal, out: Path, console) -> None:
     for label, measured, key in rows:
         table.add_row(label, str(measured), key, str(settings[key]))
     table.add_row("honest near ties", f"{cal.honest_near_ties} in {cal.tie_tokens} tokens", "", "")
+    table.add_row("honest samples with a near tie (not trained)", f"{cal.honest_near_tie_sample_share:.1%}", "", "")
     free = cal.near_tie_freedom
     table.add_row(
         "near-tie choices a worker may make unseen, per sample",

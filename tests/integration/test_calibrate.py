@@ -82,6 +82,9 @@ def test_a_bf16_pool_refuses_until_calibrated_and_the_fragment_holds_what_was_me
         4 * free["cost"], abs=4e-4
     )
     assert f"{free['choices_low']}-{free['choices_high']} near-tie choices" in out.read_text()
+    # and the share of honest samples with a near tie (what the learner leaves out): each holds one at least
+    share = report["honest_near_tie_sample_share"]
+    assert (share > 0) == (report["honest_near_ties"] > 0) and share <= min(1.0, report["honest_near_ties"] / 16)
 
     # the ledger is on, at the calibrated rate, in the orchestrator this recipe starts
     from intellect.orchestrator_cli import build_app
