@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from bridge.protocol.signing import weak_box_key
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """2: assignments carry the orchestrator's salt (`bridge.assignment`); verdicts the digest of the validator's
 logprobs; workers upload batches (`PUT /v1/uploads/...`) and announce only with `orchestrator.worker_store_writes`."""
 
