@@ -27,7 +27,8 @@ logit tolerance (`[validator] replay_logit_tolerance`; default: the dtype's), `-
 takes every setting a calibrated pool gets from what `intellect calibrate` wrote (its `[validator]` tolerances
 and `[orchestrator]` ledger); a flag given beside it wins. `--dump FILE` writes, per batch, what a ledger's
 outcome depends on (each honest sample's reward, near-tie cost and tokens; each candidate swap's), for
-`benchmarks/near_tie_ledger.py` to replay the cheater and honest workers under other ledger rates offline.
+`benchmarks/near_tie_ledger.py` to replay the cheater and honest workers under other ledger rates offline, and,
+at top-p 1, each honest sample's cheapest near tie (what it costs a worker to have it left out of training).
 `--config RECIPE` takes the tasks from the recipe's `[data]` (its training tasks, a fixed draw; their prompts with
 its system prompt, their rewards; the swap is still each task's `answer`), for a policy that earns nothing on sort.
 
@@ -61,6 +62,28 @@ from gpu_workers.checks import (  # noqa: E402
     stop_token_ids,
     validate_batch,
 )
+
+
+def cheapest_near_tie(tokens, logits, seed: int, temperature: float, margin: float, tie_margin: float) -> float | None:
+    """The least near-tie cost at which a sample with no near tie could have taken another token at some position
+    (the runner-up by the seed's noisy scores under the validator's logits, within the replay margin; top-p 1):
+    what a worker pays to make the sample take a near tie, so that the learner leaves it out. None: no position
+    offers one. (Decoding on from the runner-up may change the rest of the sample; its cost is at least this.)"""
+    import torch
+
+    from gpu_workers.checks import near_tie_costs
+    from gpu_workers.replay import noise_at
+
+    z = torch.as_tensor(logits).float() / temperature
+    n, vocab = z.shape
+    ids = torch.arange(vocab).repeat(n)
+    noisy = z + noise_at([seed] * (n * vocab), torch.arange(n).repeat_interleave(vocab).tolist(), ids).view(n, vocab)
+    rows = torch.arange(n)
+    own = noisy[rows, torch.as_tensor(list(tokens))]
+    noisy[rows, torch.as_tensor(list(tokens))] = -float("inf")
+    gaps = (own - noisy.max(dim=-1).values).clamp(min=0)
+    gaps = gaps[gaps <= margin]
+    return float(near_tie_costs(gaps, tie_margin).min()) if len(gaps) else None
 
 
 def main() -> int:
@@ -265,10 +288,33 @@ def main() -> int:
                 if rv.passed:
                     candidates.append((rv.numbers["near_tie_cost"], i, rv, result))
             fixable += len(candidates)
+            # what each honest sample offers a worker that wants it left out of training (`[loss] near_tie_samples`)
+            cheapest = (
+                [
+                    0.0
+                    if v.numbers["near_ties"]
+                    else cheapest_near_tie(
+                        s.completion_tokens.tolist(),
+                        r.logits,
+                        s.seed,
+                        args.temperature,
+                        v.numbers["margin"],
+                        v.numbers["tie_margin"],
+                    )
+                    for s, v, r in zip(
+                        honest,
+                        replays,
+                        prefill.run([(p, s.completion_tokens.tolist()) for p, s in zip(prompts, honest)]),
+                    )
+                ]
+                if args.top_p == 1
+                else None
+            )
             dumped.append(
                 {
                     "rewards": rewards,
                     "cost": [v.numbers["near_tie_cost"] for v in replays],
+                    "cheapest": cheapest,
                     "tokens": [v.numbers["tokens"] for v in replays],
                     "honest_accepted": bool(verdict.accepted),
                     "candidates": [

@@ -97,14 +97,16 @@ def strike_free(batches: list[dict], rate: float, slack: float, budgets) -> dict
     return {"reserve": None}
 
 
-def dropping(batches: list[dict], rate: float, slack: float, budgets, drop_cost: float) -> dict:
+def dropping(batches: list[dict], rate: float, slack: float, budgets, drop_cost: float | None) -> dict:
     """What trains where the learner leaves out every sample whose replay took a near tie (`[loss]
     near_tie_samples = "drop"`, the default): an honest worker's samples with no near-tie cost train; the
     cheater's near-tie swaps train nothing, so it takes only the swaps that cost nothing (the task's answer is
     the seed's own choice by the validator's logits, where its engine's rounding had taken another token), and
     then selects: it makes wrong samples (lowest reward first) take a near tie, at `drop_cost` each (1 beyond the
-    tie margin, the floor 0.25 within it; assumed available in every sample), so that they do not train, while
-    its batch stays within the per-batch budget and its accepted batches within the ledger (rate, slack).
+    tie margin, the floor 0.25 within it; assumed available in every sample), or, with `drop_cost` None, at each
+    sample's own cheapest near tie as the dump measured it (`cheapest`; a sample offering none stays), so that
+    they do not train, while its batch stays within the per-batch budget and its accepted batches within the
+    ledger (rate, slack).
 
     `gain_points`: its trained samples' mean reward minus the honest trained samples' of the same batches;
     `honest_dropped_share`: the honest samples left out (the defence's cost to honest work)."""
@@ -120,15 +122,16 @@ def dropping(batches: list[dict], rate: float, slack: float, budgets, drop_cost:
             if c == 0:  # the answer is the seed's own choice: it trains as an honest sample would
                 cost[i], tokens[i], rewards[i] = 0.0, t, 1.0
                 free_swaps += 1
-        order = sorted((r, i) for i, (r, c) in enumerate(zip(rewards, cost)) if c == 0)
-        for r, i in order:
+        price = [drop_cost] * len(cost) if drop_cost is not None else list(b["cheapest"])
+        order = sorted((r, price[i] or 0.0, i) for i, (r, c) in enumerate(zip(rewards, cost)) if c == 0 and price[i])
+        for r, p, i in order:  # the lowest rewards first, the cheapest first among equals
             trained = [x for x, c in zip(rewards, cost) if c == 0]
             if not trained or r >= float(np.mean(trained)):
                 break  # leaving out a sample at or above the trained mean does not raise it
-            trial = sum(cost) + drop_cost
+            trial = sum(cost) + p
             if spent + trial > rate * (judged + sum(tokens)) + slack or not _batch_ok(trial, sum(tokens), budgets):
-                break
-            cost[i] = drop_cost
+                continue  # a cheaper one may still fit
+            cost[i] = p
             selected += 1
         if spent + sum(cost) <= rate * (judged + sum(tokens)) + slack:
             spent, judged = spent + sum(cost), judged + sum(tokens)
@@ -138,7 +141,7 @@ def dropping(batches: list[dict], rate: float, slack: float, budgets, drop_cost:
             strikes += 1
     gain = float(np.mean(cheat_trained)) - float(np.mean(honest_trained)) if cheat_trained else math.nan
     return {
-        "drop_cost": drop_cost,
+        "drop_cost": "each sample's cheapest" if drop_cost is None else drop_cost,
         "gain_points": round(100 * gain, 2),
         "strikes": strikes,
         "free_swaps": free_swaps,
@@ -190,7 +193,7 @@ def main() -> int:
     # the learner's default: no sample with a near tie trains (the cheater's choices with it), at the calibration
     out["near_tie_samples_dropped"] = [
         dropping(batches, 2 * honest_rate, cal["orchestrator"]["near_tie_slack"], budgets, drop_cost)
-        for drop_cost in (1.0, 0.25)
+        for drop_cost in (1.0, 0.25, *((None,) if all(b.get("cheapest") for b in batches) else ()))
     ]
     for safety in (float(x) for x in args.rate_safety.split(",")):
         rate = safety * honest_rate
