@@ -58,6 +58,26 @@ def _decode(prefill: Prefill, prompts: list[list[int]], seeds: list[int], stops:
     return done
 
 
+def store_judged(store: RolloutStore, name: str, samples, seeds, rewards, verdict) -> tuple[str, str]:
+    """Write judged samples (groups of GROUP) as batch `name` of version 0, and the validator's logprobs beside it:
+    (the batch's digest, the logprobs' digest)."""
+    batch = RolloutBatch.from_samples(
+        BatchMeta(name, "ab" * 32, version=0, assignment_id=name, model_dtype="bfloat16"),
+        tokens=[np.r_[s.prompt_tokens, s.completion_tokens] for s in samples],
+        prompt_lens=[len(s.prompt_tokens) for s in samples],
+        logprobs=[np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples],
+        full_logprobs=[np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples],
+        task_ids=[i // GROUP for i in range(len(samples))],
+        group_ids=[i // GROUP for i in range(len(samples))],
+        seeds=seeds,
+        finish=[s.finish for s in samples],
+        rewards=rewards,
+        proofs=[s.proofs for s in samples],
+    )
+    sha = store.write(batch)
+    return sha, write_validator_logprobs(store, batch, sha, flat_logprobs(batch, verdict.logprobs))
+
+
 @pytest.fixture(scope="module")
 def judged(tiny_model):
     """(the model, the honest batch, the shifted batch, their verdicts) in one memory store."""
@@ -93,21 +113,7 @@ def judged(tiny_model):
     out = {}
     for name, samples in (("honest", honest), ("shifted", shifted)):
         verdict = validate_batch(samples, prefill, declared)
-        batch = RolloutBatch.from_samples(
-            BatchMeta(name, "ab" * 32, version=0, assignment_id=name, model_dtype="bfloat16"),
-            tokens=[np.r_[s.prompt_tokens, s.completion_tokens] for s in samples],
-            prompt_lens=[len(s.prompt_tokens) for s in samples],
-            logprobs=[np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples],
-            full_logprobs=[np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples],
-            task_ids=[i // GROUP for i in range(len(samples))],
-            group_ids=[i // GROUP for i in range(len(samples))],
-            seeds=seeds,
-            finish=[s.finish for s in samples],
-            rewards=rewards,
-            proofs=[s.proofs for s in samples],
-        )
-        sha = store.write(batch)
-        logprobs_sha = write_validator_logprobs(store, batch, sha, flat_logprobs(batch, verdict.logprobs))
+        sha, logprobs_sha = store_judged(store, name, samples, seeds, rewards, verdict)
         out[name] = (verdict, AcceptedBatch(name, 0, np.asarray(rewards, np.float32), sha, None, logprobs_sha))
     return model, store, out
 

@@ -26,12 +26,11 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from test_logprob_shift import _decode
+from test_logprob_shift import GROUP, MAX_TOKENS, PROMPTS, _decode, _Listing, store_judged
 from transformers import AutoTokenizer
 
 from bridge.protocol import Verdict
-from bridge.rollouts import BatchMeta, RolloutBatch, RolloutStore
-from bridge.validator_logprobs import flat_logprobs, write_validator_logprobs
+from bridge.rollouts import RolloutStore
 from gpu_workers.checks import Declared, Sample, stop_token_ids, validate_batch
 from gpu_workers.prefill import Prefill
 from gpu_workers.replay import noise_at, noisy_max
@@ -43,7 +42,6 @@ from jax_trainer.models import load_hf
 from jax_trainer.sharding import make_mesh
 from jax_trainer.train_step import GRPOTrainer
 
-PROMPTS, GROUP, MAX_TOKENS = 2, 4, 8
 HONEST_REWARDS = [1.0, 0.0, 0.0, 0.0] * PROMPTS
 
 
@@ -115,25 +113,12 @@ def judged(tiny_model):
                 )
             )
         verdict = validate_batch(samples, prefill, declared)
-        batch = RolloutBatch.from_samples(
-            BatchMeta(name, "ab" * 32, version=0, assignment_id=name, model_dtype="bfloat16"),
-            tokens=[np.r_[s.prompt_tokens, s.completion_tokens] for s in samples],
-            prompt_lens=[len(s.prompt_tokens) for s in samples],
-            logprobs=[np.r_[np.zeros(len(s.prompt_tokens)), s.logprobs] for s in samples],
-            task_ids=[i // GROUP for i in range(len(samples))],
-            group_ids=[i // GROUP for i in range(len(samples))],
-            seeds=seeds,
-            finish=[s.finish for s in samples],
-            rewards=rewards,
-            proofs=[s.proofs for s in samples],
-        )
-        sha = store.write(batch)
-        logprobs_sha = write_validator_logprobs(store, batch, sha, flat_logprobs(batch, verdict.logprobs))
+        sha, logprobs_sha = store_judged(store, name, samples, seeds, rewards, verdict)
         # what the orchestrator keeps and lists to the learner: the verdict as the validator posts it
         posted = Verdict(
             accepted=verdict.accepted,
             rewards=rewards,
-            num_tokens=len(batch.tokens),
+            num_tokens=sum(len(x.prompt_tokens) + len(x.completion_tokens) for x in samples),
             near_tie_samples=verdict.near_tie_samples(),
             logprobs_sha256=logprobs_sha,
         )
@@ -147,14 +132,6 @@ def judged(tiny_model):
         )
         out[name] = (verdict, record)
     return model, store, sorted(chosen_of), out
-
-
-class _Listing:
-    def __init__(self, record: AcceptedBatch):
-        self.record = record
-
-    def accepted(self, min_version: int) -> list[AcceptedBatch]:
-        return [self.record]
 
 
 def test_the_cheater_s_batch_is_accepted_and_its_verdict_names_the_chosen_samples(judged):
