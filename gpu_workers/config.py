@@ -45,6 +45,10 @@ class DataConfig(Section):
     """Offline filter: keep prompts the base model solves at most this often."""
     online_filter: bool = True
     """Drop groups whose samples all got the same reward (their advantages are all zero)."""
+    dynamic_sampling: bool = False
+    """Fill each step with groups whose rewards differ, taking more accepted batches (DAPO; needs online_filter)."""
+    dynamic_sampling_max: float = Field(4.0, ge=1)
+    """Dynamic sampling takes at most this many times a step's samples, then trains the informative ones it has."""
     length_targets: list[int] = []
     """Thinking-length targets in tokens, one drawn per prompt and stated in it (empty: no length control)."""
     length_penalty: float = Field(0.0, ge=0)

@@ -12,6 +12,10 @@ task is asked once per target, the target stated in the prompt as workers state 
 target, the mean |completion length - target| in tokens, the mean length and the accuracy
 (`EvalResult.by_target`); `accuracy` is then over every (task, target) prompt. Lengths count the completion's
 tokens, the stop token included, as the workers' length reward counts them.
+
+Beside the accuracy, what a constant cannot fake (`gpu_workers.rewards.answers`): the best constant answer's
+accuracy on the same tasks, the share of completions that state an answer in the task's expected format, and the
+accuracy among those (None where the tasks' reward has no format rule, e.g. code).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gpu_workers.rewards import score
+from gpu_workers.rewards.answers import ConstantAnswer, answer_in_format, best_constant
 from gpu_workers.tasks import Task, prompt_tokens
 
 
@@ -37,6 +42,21 @@ class EvalResult:
     correct: np.ndarray  # bool [n, targets * samples] (one target, 0, when none is set)
     by_target: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     """target -> {"abs_err": mean |length - target|, "mean_len", "accuracy"} (empty without length targets)."""
+    formatted: np.ndarray | None = None
+    """bool [n, targets * samples]: the completion states an answer in the expected format (None: no rule)."""
+    constant: ConstantAnswer | None = None  # the best constant answer on these tasks (None: no rule)
+
+    @property
+    def format_rate(self) -> float | None:
+        """Share of completions whose answer is in the expected format."""
+        return None if self.formatted is None else float(self.formatted.mean())
+
+    @property
+    def accuracy_in_format(self) -> float | None:
+        """Accuracy among the completions in the expected format (None where there are none)."""
+        if self.formatted is None or not self.formatted.any():
+            return None
+        return float(self.correct[self.formatted].mean())
 
     def summary(self) -> dict:
         out = {
@@ -44,6 +64,10 @@ class EvalResult:
             "n": self.n,
             "samples": self.samples,
             "mean_completion_len": self.mean_completion_len,
+            "format_rate": self.format_rate,
+            "accuracy_in_format": self.accuracy_in_format,
+            "best_constant_accuracy": None if self.constant is None else self.constant.accuracy,
+            "best_constant_answer": None if self.constant is None else self.constant.answer,
         }
         if self.by_target:  # flat keys, so that metrics.jsonl, the charts and W&B read them as numbers
             out["length_abs_err"] = float(np.mean([m["abs_err"] for m in self.by_target.values()]))
@@ -107,6 +131,8 @@ def evaluate(
     correct = np.array(
         [score(task, text).value >= 1.0 for task, text in zip((t for t in tasks for _ in range(per_task)), texts)]
     )
+    in_format = [answer_in_format(task, text) for task, text in zip((t for t in tasks for _ in range(per_task)), texts)]
+    formatted = None if None in in_format else np.array(in_format, bool).reshape(len(tasks), per_task)
     correct = correct.reshape(len(tasks), len(targets), samples)
     lengths = np.array([len(o.tokens) for o in outs], np.float64).reshape(len(tasks), len(targets), samples)
     by_target = (
@@ -129,6 +155,8 @@ def evaluate(
         completions=[texts[i * per_task : (i + 1) * per_task] for i in range(len(tasks))],
         correct=correct.reshape(len(tasks), per_task),
         by_target=by_target,
+        formatted=formatted,
+        constant=best_constant(tasks),
     )
 
 

@@ -184,6 +184,12 @@ class Config(BaseSettings):
                 f"prompt of data.max_prompt_len ({self.data.max_prompt_len}) tokens",
             )
         _require(
+            self.data.online_filter or not self.data.dynamic_sampling,
+            ("data.dynamic_sampling", "data.online_filter"),
+            "data.dynamic_sampling fills each step with groups whose rewards differ: "
+            "it needs data.online_filter = true",
+        )
+        _require(
             self.loss.temperature == self.worker.temperature,
             ("loss.temperature", "worker.temperature"),
             f"loss.temperature ({self.loss.temperature}) must equal worker.temperature "

@@ -21,8 +21,11 @@ and `--completions FILE` writes one JSON line per episode: {"prompt", "answer", 
 "ended"}; an assistant turn's text is what the environment was shown (its tokens decoded without special
 tokens). Replaying those turns through a fresh episode of the environment at that seed gives the same verdict.
 
-Prints one JSON line: {"accuracy", "n", "samples", "mean_completion_len", "model", "version", "task",
-"temperature", "seconds"}; with `--metrics FILE --step S` the same record, with "role": "eval", "step" and
+Prints one JSON line: {"accuracy", "n", "samples", "mean_completion_len", "format_rate", "accuracy_in_format",
+"best_constant_accuracy", "best_constant_answer", "model", "version", "task", "temperature", "seconds"}: beside
+pass@1, the share of completions whose answer is in the task's expected format, pass@1 among those, and the best
+constant answer's score on the same tasks (`gpu_workers.rewards.answers`; null where the reward has no format
+rule, e.g. code); with `--metrics FILE --step S` the same record, with "role": "eval", "step" and
 "time", is appended to FILE (a run's metrics.jsonl); `--completions FILE` writes what the policy answered, a JSON
 line per task: {"prompt", "answer", "completions", "correct"}. Without `--json` a short human summary with a few
 examples goes to stderr first.
@@ -130,6 +133,18 @@ def run(args: argparse.Namespace) -> int:
             f"(version {version}, {result.mean_completion_len:.1f} tokens per completion)",
             file=sys.stderr,
         )
+        if result.constant is not None:
+            print(
+                f"  best constant answer {result.constant.answer!r}: {result.constant.accuracy:.3f} "
+                f"(the reference of {result.constant.frequency:.1%} of the tasks)",
+                file=sys.stderr,
+            )
+        if result.format_rate is not None:
+            among = "none" if result.accuracy_in_format is None else f"{result.accuracy_in_format:.3f}"
+            print(
+                f"  answers in the expected format: {result.format_rate:.1%}; pass@1 among them {among}",
+                file=sys.stderr,
+            )
         for target, m in result.by_target.items():
             print(
                 f"  target {target} tokens: mean |length - target| {m['abs_err']:.2f}, mean length "

@@ -461,6 +461,8 @@ class Launcher:
             "accuracy": evals[-1]["accuracy"] if evals else None,
             "accuracy_step": evals[-1]["step"] if evals else None,
             "first_accuracy": evals[0]["accuracy"] if evals else None,
+            "best_constant": evals[-1].get("best_constant_accuracy") if evals else None,
+            "format_rate": evals[-1].get("format_rate") if evals else None,
             "accepted": counts["accepted_batches"],
             "rejected": counts["rejected_batches"],
             "staleness": learner.get("staleness_mean"),
@@ -527,6 +529,7 @@ class Launcher:
             "rl_seconds": round(rl_seconds, 1),
             "total_seconds": round(time.monotonic() - t0, 1),
             "accuracy": {int(r["step"]): r["accuracy"] for r in evals},
+            **gain_summary(evals),
             "plots": plots,
             "final_policy": str(self.cfg.run.weights_dir / f"v{final:06d}") if final is not None else None,
         }
@@ -539,3 +542,20 @@ class Launcher:
             self.say(f"[yellow]plots failed: {out.stderr.strip()[-500:]}[/]")
             return []
         return sorted(str(p) for p in (self.run_dir / "plots").glob("*.png"))
+
+
+def gain_summary(evals: list[dict]) -> dict:
+    """What a run's held-out evaluations (eval records in step order) say it learned: the best constant answer,
+    the share of answers in the expected format and pass@1 among them at each step, and the gain, counted from
+    the better of the starting policy and the best constant answer (None without a constant to compare with)."""
+    if not evals:
+        return {"best_constant_accuracy": None, "best_constant_answer": None, "gain": None}
+    constant = evals[-1].get("best_constant_accuracy")
+    floor = None if constant is None else max(evals[0]["accuracy"], constant)
+    return {
+        "best_constant_accuracy": constant,
+        "best_constant_answer": evals[-1].get("best_constant_answer"),
+        "format_rate": {int(r["step"]): r.get("format_rate") for r in evals},
+        "accuracy_in_format": {int(r["step"]): r.get("accuracy_in_format") for r in evals},
+        "gain": None if floor is None else evals[-1]["accuracy"] - floor,
+    }

@@ -5,7 +5,8 @@ The roles append one JSON object a line to `RUN_DIR/metrics.jsonl`, each with "r
   the mean completion length of the trained samples: loss-mask tokens per sample), `staleness_mean`,
   `staleness_max`, `staleness_hist` (samples per staleness), `tokens_per_s`, `busy_frac`, `loss`, `pg_loss`
   and the clip fractions (with `loss.mismatch`, the masked fractions);
-- "eval" (`intellect eval --metrics`): held-out pass@1 `accuracy` and `mean_completion_len`; with length
+- "eval" (`intellect eval --metrics`): held-out pass@1 `accuracy` and `mean_completion_len` (with
+  `format_rate`, `accuracy_in_format` and `best_constant_accuracy` where the task has a format rule); with length
   targets also `length_abs_err` and, per target T, `length_abs_err/T`, `length_mean/T` and `accuracy/T`
   (the `length_targets` chart);
 - "pool" (the launcher, about every 10 s): cumulative `accepted_batches` and `rejected_batches`;
@@ -97,7 +98,18 @@ def charts(window: int) -> tuple[Chart, ...]:
         Chart(
             "heldout_accuracy",
             "Held-out accuracy (pass@1)",
-            (Panel("pass@1", (Line("eval_accuracy", "held-out accuracy", "o-", width=2.2),), ylim=(-0.02, 1.02)),),
+            (
+                Panel(
+                    "pass@1",
+                    (
+                        Line("eval_accuracy", "held-out accuracy", "o-", width=2.2),
+                        Line("eval_accuracy_in_format", "among answers in the expected format", "s--"),
+                        Line("eval_format_rate", "share of answers in the expected format", ":", color="0.5"),
+                        Line("eval_best_constant_accuracy", "best constant answer", "--", color="C3"),
+                    ),
+                    ylim=(-0.02, 1.02),
+                ),
+            ),
             "no eval records (`intellect eval --metrics`)",
         ),
         Chart(
@@ -291,6 +303,8 @@ def build_series(records: list[dict], window: int = 10) -> tuple[Series, list[st
     _column(evals, "accuracy", "eval_accuracy", out)
     _column(evals, "mean_completion_len", "eval_completion_len", out)
     _column(evals, "length_abs_err", "eval_length_abs_err", out)
+    for key in ("format_rate", "accuracy_in_format", "best_constant_accuracy"):
+        _column(evals, key, f"eval_{key}", out)
     per_target = {k for r in evals for k in r if k.startswith(("length_abs_err/", "length_mean/", "accuracy/"))}
     for key in sorted(per_target):
         _column(evals, key, f"eval_{key}", out)

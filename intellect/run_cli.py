@@ -50,6 +50,10 @@ class View:
             if st["accuracy"] is None
             else f"{st['accuracy']:.1%} (step {st['accuracy_step']}; start {st['first_accuracy']:.1%})"
         )
+        if st.get("best_constant") is not None:
+            acc += f"; best constant answer {st['best_constant']:.1%}"
+        if st.get("format_rate") is not None:
+            acc += f"; {st['format_rate']:.0%} in format"
         rows = [
             ("step", f"{st['step']} / {st['steps']}"),
             ("policy version", _fmt(st["version"], "")),

@@ -66,6 +66,8 @@ def build_learner(cfg, release_memory=None, on_record=None):
         client = OrchestratorClient(cfg.worker.orchestrator_url, admin_token=cfg.orchestrator.admin_token)
         accepted = OrchestratorListing(client)
 
+        announced: list[tuple[int, str]] = []  # the newest (version, manifest sha256) announced
+
         def announce(version: int, path: Path) -> None:
             # the manifest's sha256 travels with the version: SHARDCAST clients accept no other manifest for it
             manifest_sha256 = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
@@ -79,6 +81,21 @@ def build_learner(cfg, release_memory=None, on_record=None):
             except BaseException:
                 source.give_back_consumed(consumed)
                 raise
+            announced[:] = [(version, manifest_sha256)]
+
+        def release() -> None:
+            # a step still gathering (data.dynamic_sampling) reports what it took: announcing the current version
+            # again frees their room in the async window, so that workers make the batches it waits for
+            if announced:
+                version, manifest_sha256 = announced[0]
+                consumed = source.take_consumed()[-4096:]
+                try:
+                    client.announce_policy(
+                        version, learner_step=version, manifest_sha256=manifest_sha256, consumed=consumed
+                    )
+                except Exception as e:  # reported with the next announcement instead
+                    source.give_back_consumed(consumed)
+                    logging.getLogger("intellect.train").warning("could not report taken batches: %s", e)
     else:
         accepted = StoreListing(store, trust_worker_rewards=True)
     t = cfg.trainer
@@ -104,7 +121,11 @@ def build_learner(cfg, release_memory=None, on_record=None):
         keep_versions=t.rollout_keep_versions,
         engine_logprobs=engine_logprobs_source(cfg),
         near_tie_samples=cfg.loss.near_tie_samples,
+        dynamic_sampling=cfg.data.dynamic_sampling,
+        max_gather=cfg.data.dynamic_sampling_max,
     )
+    if announce is not None:
+        source.release = release
     learner = Learner(
         trainer,
         source,

@@ -27,6 +27,7 @@ class Advantages:
     keep: np.ndarray  # bool [n]: False for samples of dropped (all-zero) groups
     groups: int
     dropped_groups: int
+    zero_groups: int = 0  # groups whose rewards were all equal (dropped or not)
 
 
 def group_advantages(
@@ -58,4 +59,5 @@ def group_advantages(
         values = centred / (std[inverse] + eps)
     zero_group = np.bincount(inverse, weights=(values != 0).astype(np.float64), minlength=len(labels)) == 0
     keep = ~zero_group[inverse] if drop_zero_groups else np.ones(len(rewards), bool)
-    return Advantages(values.astype(np.float32), keep, len(labels), int(zero_group.sum()) if drop_zero_groups else 0)
+    zero = int(zero_group.sum())
+    return Advantages(values.astype(np.float32), keep, len(labels), zero if drop_zero_groups else 0, zero)

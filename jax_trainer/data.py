@@ -56,7 +56,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grain
@@ -64,6 +64,7 @@ import numpy as np
 
 from bridge.rollouts import RolloutBatch, RolloutStore, RolloutStoreError, batch_path
 from bridge.validator_logprobs import read_validator_logprobs
+from jax_trainer.advantages import group_advantages
 from jax_trainer.source import Rollout, StepBatch, build_step_batch
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class _Loaded:
     rewards: np.ndarray | None = None
     error: str | None = None
     engine_logprobs: np.ndarray | None = None  # float32 [T]: what the ratios divide by (the validator's or the batch's)
+    informative: int | None = None  # samples in groups whose rewards differ (RolloutPipeline._informative)
 
     @property
     def key(self) -> tuple[int, str]:
@@ -215,7 +217,8 @@ class RolloutPipeline:
     before a batch counts as invalid; engine_logprobs: whose logprobs the ratios divide by, "validator" (read
     beside each batch under its verdict's digest) or "worker" (the batch's own; module docstring);
     near_tie_samples: "drop" leaves out the samples each verdict names as having taken a near tie (module
-    docstring), "train" trains them.
+    docstring), "train" trains them; dynamic_sampling: gather until the informative groups hold samples_per_step
+    samples, at most max_gather x samples_per_step samples in all (module docstring).
     """
 
     def __init__(
@@ -240,6 +243,8 @@ class RolloutPipeline:
         read_retries: int = 1,
         engine_logprobs: str = "worker",
         near_tie_samples: str = "drop",
+        dynamic_sampling: bool = False,
+        max_gather: float = 4.0,
     ):
         if (
             samples_per_step <= 0
@@ -255,6 +260,10 @@ class RolloutPipeline:
             raise ValueError(f"RolloutPipeline: engine_logprobs {engine_logprobs!r} is not 'worker' or 'validator'")
         if near_tie_samples not in ("drop", "train"):
             raise ValueError(f"RolloutPipeline: near_tie_samples {near_tie_samples!r} is not 'drop' or 'train'")
+        if dynamic_sampling and not drop_zero_groups:
+            raise ValueError("RolloutPipeline: dynamic_sampling gathers informative groups: it needs drop_zero_groups")
+        if max_gather < 1:
+            raise ValueError(f"RolloutPipeline: max_gather must be >= 1, got {max_gather}")
         if keep_versions is not None and keep_versions < async_level + 1:
             raise ValueError(
                 f"RolloutPipeline: keep_versions ({keep_versions}) must be at least async_level + 1 "
@@ -275,6 +284,9 @@ class RolloutPipeline:
         self.prefetch, self.poll_interval, self.stale_lookback = prefetch, poll_interval, stale_lookback
         self.keep_versions, self.read_retries = keep_versions, read_retries
         self.engine_logprobs, self.drop_near_ties = engine_logprobs, near_tie_samples == "drop"
+        self.dynamic_sampling, self.max_gather = dynamic_sampling, int(max_gather * samples_per_step)
+        self.release: Callable[[], None] | None = None  # reports taken batches to the pool (module docstring)
+        self._released: set[tuple[int, str]] = set()  # pending batches already reported as taken
         self._stores: dict[str, RolloutStore] = {}
         self._consumed: set[tuple[int, str]] = set()
         self._totals: collections.Counter[str] = collections.Counter()
@@ -349,6 +361,7 @@ class RolloutPipeline:
             self._iter.close()
             self._iter = None
         self._pending = []
+        self._released = set()
 
     def __enter__(self) -> RolloutPipeline:
         return self
@@ -400,11 +413,36 @@ class RolloutPipeline:
             return False
         log.warning("rollout pipeline: skipped %s", reason)
         self._consumed.add(item.key)
-        self._taken.append(item.key[1])
+        if item.key not in self._released:
+            self._taken.append(item.key[1])
+        self._released.discard(item.key)
         for counter in (self._counts, self._totals):
             counter[f"{kind}_batches"] += 1
             counter[f"{kind}_samples"] += item.samples
         return True
+
+    def _informative(self, item: _Loaded) -> int:
+        """Samples of `item` in groups whose rewards differ (what trains of it), after the near-tie drop."""
+        if item.informative is None:
+            b = item.batch
+            keep = np.ones(b.num_samples, bool)
+            if self.drop_near_ties:
+                keep[[i for i in item.record.near_tie_samples if i < b.num_samples]] = False
+            if not keep.any():
+                item.informative = 0
+            else:
+                adv = group_advantages(item.rewards[keep], b.group_ids[keep], self.pack_args["advantage_mode"])
+                item.informative = int(adv.keep.sum())
+        return item.informative
+
+    def _report_taken(self) -> None:
+        """Tell the pool (`release`) which pending batches this step has taken, so that their room in the async
+        window goes to new work while the step gathers more."""
+        fresh = [item.key for item in self._pending if item.key not in self._released]
+        if fresh and self.release is not None:
+            self._taken.extend(batch_id for _, batch_id in fresh)
+            self._released.update(fresh)
+            self.release()
 
     def _rollouts(self, items: Sequence[_Loaded]) -> list[Rollout]:
         out: list[Rollout] = []
@@ -446,11 +484,14 @@ class RolloutPipeline:
                 if not self._skip(item, step):
                     self._pending.append(item)
                     have += item.samples
+            if self.dynamic_sampling:
+                self._fill(step, deadline, have)
             items = self._pending
             batch = build_step_batch(self._rollouts(items), step, **self.pack_args)  # PackingError: items stay
             self._pending = []
             self._consumed.update(item.key for item in items)
-            self._taken.extend(item.key[1] for item in items)
+            self._taken.extend(item.key[1] for item in items if item.key not in self._released)
+            self._released.difference_update(item.key for item in items)
             del self._taken[:-MAX_TAKEN]  # bounded where nothing takes them (a process that does not announce)
             self._counts["batches"] += len(items)
             self._totals["batches"] += len(items)
@@ -464,6 +505,32 @@ class RolloutPipeline:
             self._pruned_before = step - self.keep_versions + 1
             stats["pruned_batches"] = float(len(self.store.prune(self._pruned_before)))
         return StepBatch(batch.packed, stats, tuple(f"v{item.key[0]}/{item.key[1]}" for item in items))
+
+    def _fill(self, step: int, deadline: float | None, have: int) -> None:
+        """Dynamic sampling: pull more batches until the pending ones' informative groups hold samples_per_step
+        samples or max_gather samples are pending. A time-out while some group is informative ends the gathering
+        (the step trains on those); with none it is the step's time-out."""
+        informative = sum(self._informative(item) for item in self._pending)
+        while informative < self.samples_per_step and have < self.max_gather:
+            self._report_taken()
+            try:
+                item = self._pull(step, deadline, have)
+            except TimeoutError:
+                if informative:
+                    log.warning(
+                        "rollout pipeline: step %d trains %d informative samples (of %d wanted): no further accepted "
+                        "batch arrived in time",
+                        step,
+                        informative,
+                        self.samples_per_step,
+                    )
+                    return
+                raise
+            if not self._skip(item, step):
+                self._pending.append(item)
+                have += item.samples
+                informative += self._informative(item)
+                self._counts["dynamic_batches"] += 1
 
     def take_consumed(self) -> list[str]:
         """The ids of the batches consumed (trained on, or skipped) since the last call: the learner's policy

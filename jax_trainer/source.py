@@ -82,6 +82,7 @@ def build_step_batch(
         "samples_trained": float(len(samples)),
         "groups": float(adv.groups),
         "dropped_groups": float(adv.dropped_groups),
+        "uninformative_group_frac": adv.zero_groups / adv.groups if adv.groups else 0.0,
         "reward_mean": float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
     }
     if not samples:

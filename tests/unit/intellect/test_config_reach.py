@@ -120,6 +120,8 @@ def non_default_config(tmp_path: Path) -> Config:
     # tests/unit/gpu_workers/test_episodes.py; its limits and env_config here still differ from their defaults
     d.pop("env")
     fixed.add("data.env")
+    d["online_filter"] = True  # dynamic sampling (non-default: on) needs the online filter on
+    fixed.add("data.online_filter")
     loss["delta"] = 1 + loss["eps_high"] + 1.5
     if loss["policy_loss"] == "dr_grpo":  # the Dr. GRPO preset fixes these two (both still non-default)
         loss.update(aggregation="seq_mean_token_sum_norm", std_normalize=False)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from intellect.config_io import load_config
-from intellect.launcher import Launcher, Role, RoleFailed
+from intellect.launcher import Launcher, Role, RoleFailed, gain_summary
 
 
 class NoView:
@@ -122,3 +122,26 @@ def test_workers_get_no_store_credentials_or_pool_secrets(monkeypatch, tmp_path)
     assert env["PATH_FOR_TEST"] == "kept"
     assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "GOOGLE_APPLICATION_CREDENTIALS"} & set(env)
     assert "INTELLECT_ORCHESTRATOR__ADMIN_TOKEN" not in env
+
+
+def test_a_runs_gain_is_counted_above_the_better_of_its_start_and_the_best_constant_answer():
+    def record(step, acc, fmt):
+        return {
+            "role": "eval",
+            "step": step,
+            "accuracy": acc,
+            "format_rate": fmt,
+            "accuracy_in_format": acc / fmt,
+            "best_constant_accuracy": 0.68,
+            "best_constant_answer": "Yes",
+        }
+
+    # a policy that learned the constant: 9% -> 68% held-out is no gain over answering "Yes" to everything
+    constant = gain_summary([record(0, 0.09, 0.2), record(10, 0.5, 0.9), record(20, 0.68, 1.0)])
+    assert constant["gain"] == pytest.approx(0.0) and constant["best_constant_answer"] == "Yes"
+    assert constant["format_rate"] == {0: 0.2, 10: 0.9, 20: 1.0}
+    learned = gain_summary([record(0, 0.70, 1.0), record(20, 0.85, 1.0)])  # the start beats the constant
+    assert learned["gain"] == pytest.approx(0.15)
+    no_rule = gain_summary([{"role": "eval", "step": 0, "accuracy": 0.1}, {"role": "eval", "step": 5, "accuracy": 0.4}])
+    assert no_rule["gain"] is None and no_rule["best_constant_accuracy"] is None
+    assert gain_summary([])["gain"] is None

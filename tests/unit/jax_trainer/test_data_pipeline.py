@@ -387,3 +387,80 @@ def test_malformed_cursor_is_refused():
     pipe = RolloutPipeline(store, StoreListing(store, trust_worker_rewards=True), samples_per_step=8, **PACK)
     with pytest.raises(ValueError, match="malformed cursor"):
         pipe.restore({"position": 3})
+
+
+def _informative_reference(batches: dict[str, RolloutBatch], rewards: dict[str, np.ndarray]) -> set[tuple]:
+    """Token sequences of the samples in groups whose rewards differ, by numpy."""
+    out = set()
+    for bid, batch in batches.items():
+        for g in np.unique(batch.group_ids):
+            idx = np.flatnonzero(batch.group_ids == g)
+            if np.ptp(np.asarray(rewards[bid])[idx]) > 0:
+                out.update(tuple(batch.sample_tokens(i).tolist()) for i in idx)
+    return out
+
+
+# a: one informative group of two; b: none; c: both
+DYNAMIC_REWARDS = {
+    "a": np.array([1, 0, 0, 1, 1, 1, 1, 1.0]),
+    "b": np.array([0, 0, 0, 0, 1, 1, 1, 1.0]),
+    "c": np.array([0, 1, 0, 0, 0.5, 0, 1, 0]),
+}
+
+
+def _dynamic_store():
+    store = RolloutStore.open("memory://")
+    batches = {bid: write(store, 0, bid) for bid in DYNAMIC_REWARDS}
+    accepted = ListAccepted([AcceptedBatch(bid, 0, r) for bid, r in DYNAMIC_REWARDS.items()])
+    return store, batches, accepted
+
+
+def test_dynamic_sampling_fills_the_step_with_informative_groups():
+    store, batches, accepted = _dynamic_store()
+    with RolloutPipeline(store, accepted, samples_per_step=8, poll_interval=0.02, **PACK) as pipe:
+        plain = pipe.next(0, timeout=30)  # the first batch alone: its flat group is dropped and shrinks the step
+    assert {k for k, _, _ in segments(plain.packed)} == _informative_reference({"a": batches["a"]}, DYNAMIC_REWARDS)
+    assert plain.stats["samples_trained"] == 4 and plain.stats["uninformative_group_frac"] == 0.5
+
+    store, batches, accepted = _dynamic_store()
+    with RolloutPipeline(
+        store, accepted, samples_per_step=8, poll_interval=0.02, dynamic_sampling=True, **PACK
+    ) as pipe:
+        taken_while_gathering = []
+        pipe.release = lambda: taken_while_gathering.append(pipe.take_consumed())
+        step = pipe.next(0, timeout=30)
+        # a (4 informative) and b (0) were not enough: c was gathered too, and every informative group trains
+        assert {k for k, _, _ in segments(step.packed)} == _informative_reference(batches, DYNAMIC_REWARDS)
+        assert step.stats["samples"] == 24 and step.stats["samples_trained"] == 12
+        assert step.stats["uninformative_group_frac"] == pytest.approx(3 / 6)
+        assert step.stats["dynamic_batches"] == 2 and step.stats["batches"] == 3
+        # the batches taken while gathering were reported to the pool as they were taken, each batch once in all
+        assert taken_while_gathering == [["a"], ["b"]] and pipe.take_consumed() == ["c"]
+        assert sorted(b for _, b in pipe.cursor()["consumed"]) == ["a", "b", "c"]
+
+
+def test_dynamic_sampling_stops_at_its_gathering_cap_and_on_a_time_out_with_informative_groups():
+    store, batches, accepted = _dynamic_store()
+    kw = dict(samples_per_step=8, poll_interval=0.02, dynamic_sampling=True, **PACK)
+    with RolloutPipeline(store, accepted, max_gather=2, **kw) as pipe:
+        step = pipe.next(0, timeout=30)  # a and b make 16 samples = 2 x 8: the step trains a's informative group
+        assert step.stats["samples"] == 16 and step.stats["samples_trained"] == 4
+    want = _informative_reference({"a": batches["a"]}, DYNAMIC_REWARDS)
+    assert {k for k, _, _ in segments(step.packed)} == want
+
+    accepted.records = accepted.records[:2]  # c never comes: the step trains what is informative when time is up
+    with RolloutPipeline(store, accepted, **kw) as pipe:
+        step = pipe.next(0, timeout=1.0)
+        assert {k for k, _, _ in segments(step.packed)} == want
+    accepted.records = accepted.records[1:2]  # b alone: nothing informative, the time-out is the step's
+    with RolloutPipeline(store, accepted, **kw) as pipe:
+        with pytest.raises(TimeoutError, match="step 0 has 8 of 8 samples"):
+            pipe.next(0, timeout=0.5)
+
+
+def test_dynamic_sampling_needs_the_online_filter():
+    store = RolloutStore.open("memory://")
+    with pytest.raises(ValueError, match="dynamic_sampling gathers .* needs drop_zero_groups"):
+        RolloutPipeline(
+            store, ListAccepted(), samples_per_step=8, dynamic_sampling=True, drop_zero_groups=False, **PACK
+        )
