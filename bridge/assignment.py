@@ -58,13 +58,25 @@ def assignment_seed(node_key: str, version: int, k: int, salt: str | None = None
 
 
 def assigned_task_ids(
-    node_key: str, version: int, k: int, num_tasks: int, count: int, salt: str | None = None
+    node_key: str,
+    version: int,
+    k: int,
+    num_tasks: int,
+    count: int,
+    salt: str | None = None,
+    level: int = 0,
+    levels: int = 1,
 ) -> list[int]:
-    """The `count` dataset indices of the assignment: distinct while count <= num_tasks, otherwise with repeats."""
+    """The `count` dataset indices of the assignment: distinct while count <= the slice's size, otherwise with
+    repeats. With a curriculum (`levels` > 1) the task list is `levels` equal slices, easiest first, and the
+    draw is from the slice of `level` (`bridge.curriculum`); one level draws exactly as before."""
     if num_tasks <= 0 or count <= 0:
         raise ValueError(f"assignment: num_tasks ({num_tasks}) and count ({count}) must be positive")
+    if levels < 1 or num_tasks % levels or not 0 <= level < levels:
+        raise ValueError(f"assignment: level {level} of {levels} over {num_tasks} tasks (equal slices) is not valid")
+    size = num_tasks // levels
     rng = np.random.Generator(np.random.PCG64(assignment_seed(node_key, version, k, salt)))
-    return [int(i) for i in rng.choice(num_tasks, size=count, replace=count > num_tasks)]
+    return [level * size + int(i) for i in rng.choice(size, size=count, replace=count > size)]
 
 
 def assigned_sample_seeds(node_key: str, version: int, k: int, count: int, salt: str | None = None) -> list[int]:

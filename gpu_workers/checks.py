@@ -165,6 +165,10 @@ class AssignedWork:
     """The assignment's sample count (prompts x samples_per_prompt; None: any multiple of samples_per_prompt)."""
     salt: str | None = None
     """The orchestrator's salt of the assignment's draws (None: the unsalted protocol-1 draws)."""
+    level: int = 0
+    """The assignment's curriculum level: its prompts come from that slice of the task list (bridge.curriculum)."""
+    levels: int = 1
+    """Curriculum levels of the pool (equal slices of the task list; 1: no curriculum)."""
 
 
 def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
@@ -364,7 +368,14 @@ def check_fixed_data(samples: Sequence[Sample], assignment: AssignedWork) -> Che
     if n == 0 or n % group:
         return CheckVerdict("fixed_data", False, (f"{n} samples is not a positive multiple of {group} per prompt",))
     key, version, k, salt = assignment.node_key, assignment.version, assignment.k, assignment.salt
-    prompts = assigned_task_ids(key, version, k, assignment.num_tasks, n // group, salt)
+    level, levels = assignment.level, assignment.levels
+    if not 0 <= level < levels or assignment.num_tasks % levels:
+        return CheckVerdict(
+            "fixed_data",
+            False,
+            (f"the assignment's curriculum level {level} is not one of this pool's {levels} (data.curriculum)",),
+        )
+    prompts = assigned_task_ids(key, version, k, assignment.num_tasks, n // group, salt, level, levels)
     expected_tasks = np.repeat(prompts, group)
     expected_seeds = assigned_sample_seeds(key, version, k, n, salt)
     ids = [s.task_id for s in samples]  # Python ints: a batch's values are compared, never used as indices

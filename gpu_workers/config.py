@@ -45,6 +45,14 @@ class DataConfig(Section):
     """Offline filter: keep prompts the base model solves at most this often."""
     online_filter: bool = True
     """Drop groups whose samples all got the same reward (their advantages are all zero)."""
+    curriculum: list[dict[str, Any]] = []
+    """Difficulty levels, easiest first: data.generator_config fields of each (reasoning_gym; empty: none)."""
+    curriculum_promote: float = Field(0.6, gt=0, le=1)
+    """Solve rate of the current level's last curriculum_window accepted batches that moves up one level."""
+    curriculum_demote: float = Field(0.0, ge=0, lt=1)
+    """Solve rate below which the next version moves down one level (0: never down)."""
+    curriculum_window: int = Field(8, gt=0)
+    """Accepted batches of the current level that measure its solve rate."""
     dynamic_sampling: bool = False
     """Fill each step with groups whose rewards differ, taking more accepted batches (DAPO; needs online_filter)."""
     dynamic_sampling_max: float = Field(4.0, ge=1)
@@ -103,13 +111,27 @@ class DataConfig(Section):
             ("data.task", "data.path"),
             'data.task = "reasoning_gym" generates its tasks from data.task_seed: unset data.path',
         )
+        require(
+            not self.curriculum or self.task == "reasoning_gym",
+            ("data.task", "data.curriculum"),
+            f"data.curriculum sets levels of a reasoning-gym generator's config (data.task = {self.task!r})",
+        )
+        require(
+            self.curriculum_demote < self.curriculum_promote,
+            ("data.curriculum_demote", "data.curriculum_promote"),
+            f"data.curriculum_demote ({self.curriculum_demote}) must be below data.curriculum_promote "
+            f"({self.curriculum_promote})",
+        )
         if self.task == "reasoning_gym":
             from gpu_workers.tasks.rgym import GeneratorError, check_generator
 
-            try:
-                check_generator(self.generator, self.generator_config)
-            except GeneratorError as e:
-                require(False, ("data.generator", "data.generator_config"), str(e))
+            for where, config in [("data.generator_config", self.generator_config)] + [
+                (f"data.curriculum[{i}]", {**self.generator_config, **level}) for i, level in enumerate(self.curriculum)
+            ]:
+                try:
+                    check_generator(self.generator, config)
+                except GeneratorError as e:
+                    require(False, ("data.generator", "data.generator_config", "data.curriculum"), f"{where}: {e}")
         from gpu_workers.tasks.dataset import FORMATS
 
         unknown = sorted(set(self.columns) - set(FORMATS[self.format]))

@@ -336,6 +336,8 @@ class Validator:
             length_targets=tuple(self.data.length_targets),
             num_samples=record.num_samples,
             salt=record.assignment_salt,
+            level=record.assignment_level,
+            levels=max(1, len(self.data.curriculum)),
         )
         if self.env is not None:
             from gpu_workers.envs.episode import judge

@@ -219,7 +219,15 @@ class Worker:
         """Generate and score the assignment's samples at its version (the engine must run it)."""
         cfg, data = self.config, self.data
         group = a.samples_per_prompt
-        task_ids = a.task_ids or assigned_task_ids(self.node_key, a.version, a.k, len(self.tasks), a.prompts, a.salt)
+        levels = max(1, len(data.curriculum))
+        if a.level >= levels:
+            raise RuntimeError(
+                f"assignment {a.id} is at curriculum level {a.level} but this worker's [data] has {levels} "
+                "level(s): the orchestrator's data.curriculum and the worker's disagree"
+            )
+        task_ids = a.task_ids or assigned_task_ids(
+            self.node_key, a.version, a.k, len(self.tasks), a.prompts, a.salt, a.level, levels
+        )
         if max(task_ids) >= len(self.tasks):
             raise RuntimeError(
                 f"assignment {a.id} names task {max(task_ids)} but this worker has {len(self.tasks)} "

@@ -183,6 +183,13 @@ class Config(BaseSettings):
                 f"data.max_episode_tokens ({limits.max_total_tokens}) leaves no room for a model turn after a "
                 f"prompt of data.max_prompt_len ({self.data.max_prompt_len}) tokens",
             )
+        levels = max(1, len(self.data.curriculum))
+        _require(
+            self.orchestrator.num_tasks is None or self.orchestrator.num_tasks % levels == 0,
+            ("orchestrator.num_tasks", "data.curriculum"),
+            f"orchestrator.num_tasks ({self.orchestrator.num_tasks}) must be the training list's length, "
+            f"data.num_tasks x {levels} curriculum levels",
+        )
         _require(
             self.data.online_filter or not self.data.dynamic_sampling,
             ("data.dynamic_sampling", "data.online_filter"),

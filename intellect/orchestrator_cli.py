@@ -10,6 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bridge.curriculum import Curriculum
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -51,7 +53,15 @@ def service_values(cfg: Config, database_url: str | None = None) -> RunValues:
         relays=tuple(sc.relays or [f"http://{sc.host}:{sc.port}"]),
         max_prompt_len=total - sampled,
         rollout_store=rollout_store(cfg, "ingest") if cfg.ingest.in_process else None,
+        curriculum=curriculum_of(cfg.data),
     )
+
+
+def curriculum_of(data) -> Curriculum | None:
+    """The pool's curriculum rule (`bridge.curriculum`) from `[data]`; None without levels."""
+    if not data.curriculum:
+        return None
+    return Curriculum(len(data.curriculum), data.curriculum_promote, data.curriculum_demote, data.curriculum_window)
 
 
 def build_app(cfg: Config, clock: Callable[[], float] = time.time, database_url: str | None = None) -> FastAPI:

@@ -1,5 +1,9 @@
 """The training and held-out task sets of a config (`[data]`), the same for every role that needs them.
 
+- A reasoning-gym generator (`data.task = "reasoning_gym"`): `data.num_tasks` tasks from `data.task_seed` at
+  `data.generator_config`; with `data.curriculum`, that many per level (each level's fields over the config, a
+  seed stream of its own), the levels in order. Held-out tasks are at `data.generator_config` (the difficulty
+  the run is for) and are never a training prompt of any level.
 - A built-in synthetic family (`data.task` one of arithmetic, reverse, sort, no `data.path`): `data.num_tasks`
   tasks of `data.digits` from `data.task_seed`; the held-out set comes from another seed stream and leaves out
   every prompt that is also a training prompt, so evaluation never scores a memorised prompt.
@@ -20,6 +24,7 @@ from gpu_workers.tasks.rgym import reasoning_gym_tasks
 from intellect.config import ConfigError, DataConfig
 
 _HELDOUT_STREAM = 1_000_003  # added to data.task_seed for the held-out synthetic tasks
+_LEVEL_STREAM = 7_919  # level i of a curriculum draws its tasks from data.task_seed + i x this
 
 
 def humaneval_package_file() -> str:
@@ -69,7 +74,22 @@ def _path(data: DataConfig) -> str | None:
     return humaneval_package_file() if _uses_package_humaneval(data) else data.path
 
 
+def curriculum_levels(data: DataConfig) -> int:
+    """Slices of the training task list (`bridge.curriculum`): one per data.curriculum level, else 1."""
+    return max(1, len(data.curriculum))
+
+
 def training_tasks(data: DataConfig) -> TaskDataset:
+    if data.task == "reasoning_gym" and data.curriculum:
+        # level i: data.num_tasks tasks at data.generator_config updated by data.curriculum[i], from a seed stream
+        # of its own; the list is the levels in order, each a slice of data.num_tasks (bridge.curriculum)
+        levels = [
+            reasoning_gym_tasks(
+                data.generator, data.num_tasks, data.task_seed + i * _LEVEL_STREAM, {**data.generator_config, **level}
+            )
+            for i, level in enumerate(data.curriculum)
+        ]
+        return TaskDataset([t for level in levels for t in level], f"reasoning_gym:{data.generator}[curriculum]")
     if data.task == "reasoning_gym":
         return reasoning_gym_tasks(data.generator, data.num_tasks, data.task_seed, data.generator_config)
     if _path(data) is None:

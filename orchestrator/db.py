@@ -29,6 +29,9 @@ when the database is made (or upgraded) and kept, so the draws survive restarts.
 one issued before schema 8: its draws were unsalted), and `assignments.logprobs_sha256` the digest of the
 logprobs the validator wrote beside an accepted batch; `assignments.near_tie_samples` (schema 9) lists the samples
 of an accepted batch whose replay took a near tie, which the learner leaves out by default.
+`policy.curriculum_level` (schema 10) is the curriculum level the service decided for a version, and
+`assignments.level` the level an assignment was issued at (its prompts' task slice, `bridge.curriculum`); both 0
+without a curriculum and for rows written before.
 
 Schema versions: `schema_info` holds the version this database was written with. `open_database` creates a
 new database, upgrades an older one through `MIGRATIONS` (one function per step, in one transaction), and
@@ -68,7 +71,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # MIGRATIONS[v] upgrades a database at schema version v to v + 1 (in the transaction `open_database` holds).
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
 
@@ -113,6 +116,7 @@ class Policy(Base):
     relays: Mapped[list] = mapped_column(JSON)
     announced_at: Mapped[float] = mapped_column(Float)
     manifest_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)  # pinned by SHARDCAST clients
+    curriculum_level: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class Work(Base):
@@ -165,6 +169,7 @@ class Work(Base):
     near_tie_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     logprobs_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the validator's logprobs
     near_tie_samples: Mapped[list | None] = mapped_column(JSON, nullable=True)  # the learner leaves them out
+    level: Mapped[int] = mapped_column(Integer, server_default="0")  # curriculum level of its prompts
     delivered_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # read by the learner
 
 
@@ -301,6 +306,16 @@ def _v8_to_v9(conn: Connection) -> None:
 
 
 MIGRATIONS[8] = _v8_to_v9
+
+
+def _v9_to_v10(conn: Connection) -> None:
+    """`policy.curriculum_level` and `assignments.level` (`bridge.curriculum`): 0 for what was written before."""
+    for table, column in (("policy", "curriculum_level"), (Work.__tablename__, "level")):
+        if column not in {c["name"] for c in inspect(conn).get_columns(table)}:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} INTEGER NOT NULL DEFAULT 0"))
+
+
+MIGRATIONS[9] = _v9_to_v10
 
 
 def sqlite_url(path: str | Path) -> str:

@@ -60,6 +60,7 @@ from sqlalchemy import Engine, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from bridge.assignment import assigned_sample_seeds, assigned_task_ids, assignment_salt
+from bridge.curriculum import Curriculum, solve_rate
 from bridge.protocol.messages import (
     Assignment,
     BatchAnnouncement,
@@ -159,6 +160,7 @@ class WorkScheduler:
         unproven_share: float = 1.0,
         near_tie_rate: float | None = None,
         near_tie_slack: float = 2.0,
+        curriculum: Curriculum | None = None,
     ):
         self.db = db
         self.engine: Engine = db.kw["bind"]
@@ -176,6 +178,7 @@ class WorkScheduler:
         self.rejection_window_s = rejection_window_s
         self.near_tie_rate, self.near_tie_slack = near_tie_rate, near_tie_slack
         self.default_relays = list(default_relays)
+        self.curriculum = curriculum
         self.clock = clock
         self.deadline_s = deadline_s
         self.unproven_capacity = max(1, math.floor(unproven_share * self.capacity))
@@ -200,6 +203,8 @@ class WorkScheduler:
                 )
             }
             self.policy = self._policy_info(latest)
+            # the curriculum level of each announced version (bridge.curriculum; 0 without one)
+            self.levels = dict(s.execute(select(Policy.version, Policy.curriculum_level)).all())
             self._proven = set(s.scalars(select(Work.node_key).where(Work.state == ACCEPTED).distinct()))
             for w in s.scalars(select(Work).where(Work.state == OPEN).order_by(Work.id)):
                 self._open[w.node_key].append(self._to_assignment(w))
@@ -248,6 +253,7 @@ class WorkScheduler:
             self._consume(msg.consumed)
             return self.policy
         self._consume(msg.consumed)
+        level = self._next_level()
         with self.db.begin() as s:
             last = s.scalars(select(Policy).order_by(Policy.version.desc()).limit(1)).first()
             row = Policy(
@@ -256,8 +262,12 @@ class WorkScheduler:
                 relays=list(msg.relays) if msg.relays is not None else (last.relays if last else []),
                 announced_at=self.clock(),
                 manifest_sha256=msg.manifest_sha256,
+                curriculum_level=level,
             )
             s.add(row)
+        if level != self.level:
+            log.info("curriculum: version %d moves from level %d to level %d", msg.version, self.level, level)
+        self.levels[msg.version] = level
         if msg.manifest_sha256 is not None:
             self.manifests[msg.version] = msg.manifest_sha256
         self.policy, self._window = self._policy_info(row), None
@@ -265,6 +275,29 @@ class WorkScheduler:
         self._next_k = {kv: k for kv, k in self._next_k.items() if kv[1] >= self.policy.min_version}
         log.info("policy version %d announced (learner step %d)", row.version, row.learner_step)
         return self.policy
+
+    @property
+    def level(self) -> int:
+        """The curriculum level of the current version: new assignments draw their prompts from its slice."""
+        return self.levels.get(self.policy.version, 0)
+
+    def _next_level(self) -> int:
+        """The level of the version being announced (`Curriculum.next_level`, module docstring of
+        bridge.curriculum): from the solve rates of the accepted batches of the current level, since it began."""
+        if self.curriculum is None:
+            return 0
+        level, since = self.level, self.policy.version
+        while since > 0 and self.levels.get(since - 1, 0) == level:
+            since -= 1
+        with self.db() as s:
+            rewards = s.scalars(
+                select(Work.rewards)
+                .where(Work.state == ACCEPTED, Work.version >= since, Work.level == level)
+                .order_by(Work.verdict_seq.desc())
+                .limit(self.curriculum.window)
+            ).all()
+        rates = [solve_rate(r or []) for r in reversed(rewards)]
+        return self.curriculum.next_level(level, rates)
 
     def _consume(self, batch_ids: Sequence[str]) -> None:
         """The learner's steps took these accepted batches: they leave the async window (each once; ids of
@@ -286,7 +319,12 @@ class WorkScheduler:
         """The Assignment of a Work row (ORM object or Core row)."""
         count = w.prompts * w.samples_per_prompt
         key, version, k, salt = w.node_key, w.version, w.k, w.salt
-        task_ids = assigned_task_ids(key, version, k, self.num_tasks, w.prompts, salt) if self.num_tasks else None
+        levels = self.curriculum.levels if self.curriculum is not None else 1
+        task_ids = (
+            assigned_task_ids(key, version, k, self.num_tasks, w.prompts, salt, w.level, levels)
+            if self.num_tasks
+            else None
+        )
         return Assignment(
             id=w.id,
             version=version,
@@ -296,6 +334,7 @@ class WorkScheduler:
             task_ids=task_ids,
             sample_seeds=assigned_sample_seeds(key, version, k, count, salt),
             salt=salt,
+            level=w.level,
             issued_at=w.issued_at,
             expires_at=w.issued_at + self.deadline_s if math.isfinite(self.deadline_s) else None,
         )
@@ -406,6 +445,7 @@ class WorkScheduler:
                 version=version,
                 k=k,
                 salt=assignment_salt(self._secret, key, version, k),
+                level=self.level,
                 prompts=self.prompts_per_assignment,
                 samples_per_prompt=self.samples_per_prompt,
                 state=OPEN,
@@ -676,6 +716,7 @@ def batch_dict(w: Any, now: float, public: bool) -> dict:
             rewards=w["rewards"],
             verified_tokens=w["verified_tokens"],
             assignment_salt=w["salt"],
+            assignment_level=w["level"],
             logprobs_sha256=w["logprobs_sha256"],
             near_tie_samples=w["near_tie_samples"] or [],
         )
@@ -691,6 +732,7 @@ def batch_record(w: Any, now: float) -> BatchRecord:
         assignment_id=w.id,
         assignment_k=w.k,
         assignment_salt=w.salt,
+        assignment_level=w.level,
         version=w.version,
         store_path=w.store_path,
         sha256=w.sha256,

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import TypeAdapter
 from sqlalchemy.orm import sessionmaker
 
+from bridge.curriculum import Curriculum
 from bridge.protocol.messages import (
     Assignment,
     BatchAnnouncement,
@@ -64,6 +65,8 @@ class RunValues:
     rollout_store: str | None = None
     """The rollout store the in-process ingest writes uploads to (ingest.store_url, else <run.dir>/rollouts;
     None: this service takes no uploads itself)."""
+    curriculum: Curriculum | None = None
+    """The difficulty curriculum's rule (data.curriculum and its settings; None: one level)."""
 
 
 _ASSIGNMENTS = TypeAdapter(list[Assignment])
@@ -118,6 +121,7 @@ class Orchestrator:
             clock=clock,
             deadline_s=cfg.deadline_s(run.max_tokens),
             unproven_share=cfg.unproven_share,
+            curriculum=run.curriculum,
         )
         self.auth = Authenticator(cfg.max_clock_skew_s, cfg.admin_token, clock, cfg.session_ttl_s)
         self.run_id, self.auth.refuse_up_to = start_run(self.db, self.auth.nonces, clock(), cfg.max_clock_skew_s)

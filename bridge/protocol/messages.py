@@ -198,6 +198,12 @@ class Assignment(Reply):
     salt: str | None = Field(
         None, description="the orchestrator's salt of this assignment's draws (None: a protocol-1 service, unsalted)"
     )
+    level: int = Field(
+        0,
+        ge=0,
+        le=1 << 16,
+        description="the curriculum level whose task slice the prompts come from (bridge.curriculum)",
+    )
     issued_at: float
     expires_at: float | None = Field(
         None,
@@ -234,6 +240,9 @@ class BatchRecord(Reply):
     assignment_k: int = Field(0, description="k of the assignment: with node key and version it fixes the prompts")
     assignment_salt: str | None = Field(
         None, description="the salt of the assignment's draws (validators recompute its prompts and seeds with it)"
+    )
+    assignment_level: int = Field(
+        0, ge=0, le=1 << 16, description="the assignment's curriculum level (its prompts' task slice)"
     )
     version: int
     store_path: str

@@ -114,6 +114,7 @@ def non_default_config(tmp_path: Path) -> Config:
     d["solve_rate_min"], d["solve_rate_max"] = 0.2, 0.7
     # a reasoning-gym task: a generator and config reasoning-gym has, and no task file (data.path stays unset)
     d.update(task="reasoning_gym", generator="letter_counting", generator_config={"min_words": 4})
+    d["curriculum"] = [{"max_words": 5}, {"max_words": 8}]  # levels of that generator's config
     d.pop("path")
     fixed.add("data.path")
     # single-turn: a multi-turn pool (data.env, which refuses length targets) is checked on its own in

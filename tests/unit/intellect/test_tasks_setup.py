@@ -39,3 +39,35 @@ def test_file_tasks_hold_out_their_last_rows_and_apply_the_solve_rate_filter(tmp
     assert [t.prompt for t in heldout_tasks(data)] == ["q8", "q9"]
     with pytest.raises(ConfigError, match="eval_tasks"):
         training_tasks(DataConfig(task="math", path=str(path), eval_tasks=9))
+
+
+def test_a_curriculums_training_list_is_its_levels_in_order_and_held_out_tasks_are_the_target_difficulty():
+    pytest.importorskip("reasoning_gym")
+    import reasoning_gym
+
+    base = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}
+    levels = [{"min_digits": 1, "max_digits": 1}, {}, {"max_terms": 3}]
+    data = DataConfig(
+        task="reasoning_gym",
+        generator="chain_sum",
+        generator_config=base,
+        curriculum=levels,
+        num_tasks=30,
+        eval_tasks=20,
+    )
+    tasks = training_tasks(data)
+    assert len(tasks) == 90
+    for i, level in enumerate(levels):  # slice i: reasoning-gym's own entries at the level's settings
+        config = {**base, **level}
+        entries = reasoning_gym.create_dataset("chain_sum", size=30, seed=data.task_seed + i * 7_919, **config)
+        assert [t.prompt for t in tasks[30 * i : 30 * (i + 1)]] == [e["question"] for e in entries]
+        assert [t.answer for t in tasks[30 * i : 30 * (i + 1)]] == [e["answer"] for e in entries]
+    assert all(t.meta["entry"]["metadata"]["num_digits"] == 1 for t in tasks[:30])
+    assert any(t.meta["entry"]["metadata"]["num_terms"] == 3 for t in tasks[60:])
+    held = heldout_tasks(data)
+    assert not {t.prompt for t in held} & {t.prompt for t in tasks}
+    assert all(t.meta["entry"]["metadata"]["num_digits"] == 2 for t in held)  # data.generator_config's
+    with pytest.raises(ValueError, match=r"data.curriculum\[1\]"):
+        DataConfig(task="reasoning_gym", generator="chain_sum", curriculum=[{}, {"no_such_field": 1}])
+    with pytest.raises(ValueError, match="data.curriculum sets levels"):
+        DataConfig(task="sort", curriculum=[{}, {}])
