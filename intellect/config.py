@@ -45,6 +45,10 @@ class RunConfig(Section):
     """Logging level of every process."""
     sft_steps: int = Field(0, ge=0)
     """Supervised warm-start steps `intellect run` makes before RL (0: none; RL starts from model.path)."""
+    sft_lr: float = Field(1e-3, gt=0)
+    """Peak learning rate of the warm start (the tiny demo's 1e-3; a pretrained model wants far less)."""
+    sft_batch_size: int = Field(64, gt=0)
+    """Examples per warm-start step."""
     sft_think_lines: list[int] = []
     """Warm start: completions write the answer on k lines, k drawn from this list apart from the target (empty: 1)."""
     eval_interval: int = Field(0, ge=0)

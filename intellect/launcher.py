@@ -221,7 +221,21 @@ class Launcher:
             return
         self.say(f"[bold]warm start[/]: {self.cfg.run.sft_steps} supervised steps (log: {self.logs / 'sft.log'})")
         t0 = time.monotonic()
-        self.foreground("sft", self.command("sft", "--steps", str(self.cfg.run.sft_steps), "--out", str(self.sft_dir)))
+        run = self.cfg.run
+        self.foreground(
+            "sft",
+            self.command(
+                "sft",
+                "--steps",
+                str(run.sft_steps),
+                "--lr",
+                str(run.sft_lr),
+                "--batch-size",
+                str(run.sft_batch_size),
+                "--out",
+                str(self.sft_dir),
+            ),
+        )
         self.say(f"warm start done in {time.monotonic() - t0:.0f} s: {self.sft_dir}")
 
     def check_calibration(self) -> None:
