@@ -148,3 +148,85 @@ def test_a_schema_9_database_gains_the_levels_and_what_it_held_is_level_0(tmp_pa
     assert again.svc.scheduler.levels == {1: 0}
     [before] = again.admin.all_batches("accepted")[0]
     assert before.batch_id == "before" and before.assignment_level == 0
+
+
+class _Answer:
+    """An engine that answers every prompt with "7" and the stop token."""
+
+    def __init__(self, tok, stop_id: int):
+        self.tok, self.stop_id = tok, stop_id
+
+    def generate(self, prompts, seeds, *, max_tokens=16, **_):
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        tokens = self.tok.encode("7") + [self.stop_id]
+        return [
+            SimpleNamespace(
+                prompt_tokens=list(p),
+                tokens=tokens,
+                logprobs=np.full(len(tokens), -0.5, np.float32),
+                finish=0,
+                proofs=[b""],
+                full_logprobs=None,
+            )
+            for p in prompts
+        ]
+
+
+def test_a_worker_answers_its_assignments_level_and_refuses_a_level_its_pool_lacks(tiny_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from bridge.protocol.messages import Assignment
+    from bridge.shardcast.config import ShardcastConfig
+    from gpu_workers.config import DataConfig, WorkerConfig
+    from gpu_workers.worker import Worker
+    from intellect.tasks_setup import training_tasks
+
+    tok = AutoTokenizer.from_pretrained(tiny_model(family="qwen2"))
+    data = DataConfig(
+        task="reasoning_gym",
+        generator="chain_sum",
+        generator_config={"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2},
+        curriculum=[{"min_digits": 1, "max_digits": 1}, {"min_digits": 1}, {}],
+        num_tasks=PER_LEVEL,
+        samples_per_prompt=2,
+        max_new_tokens=16,
+    )
+    tasks = training_tasks(data)
+    worker = Worker(
+        WorkerConfig(max_tokens=16),
+        data,
+        ShardcastConfig(),
+        tasks,
+        key_path=tmp_path / "worker.key",
+        weights_dir=tmp_path / "weights",
+        outbox=tmp_path / "outbox",
+    )
+    worker.engine, worker.tokenizer = _Answer(tok, tok.convert_tokens_to_ids("<|im_end|>")), tok
+    salt = "ef" * 32
+    seeds = assigned_sample_seeds(worker.node_key, 4, 0, 6, salt)
+
+    def assignment(level: int) -> Assignment:
+        return Assignment(
+            id=1,
+            version=4,
+            k=0,
+            prompts=3,
+            samples_per_prompt=2,
+            task_ids=None,
+            sample_seeds=seeds,
+            salt=salt,
+            level=level,
+            issued_at=0.0,
+        )
+
+    arrays = worker.build(assignment(1)).arrays()
+    want = assigned_task_ids(worker.node_key, 4, 0, 3 * PER_LEVEL, 3, salt, 1, 3)
+    assert arrays["task_ids"].tolist() == [t for t in want for _ in range(2)]
+    assert all(PER_LEVEL <= t < 2 * PER_LEVEL for t in want)  # level 1's slice: 1-2 digit sums
+    with pytest.raises(RuntimeError, match="curriculum level 3 but this worker's \\[data\\] has 3 level"):
+        worker.build(assignment(3))
+    with pytest.raises(ValueError):  # the message itself bounds a level
+        assignment(1 << 20)
