@@ -11,6 +11,8 @@ from the same list with their own RNG. A mark's policy is the newest complete at
 side's process: ours the newest STABLE export, TRL's the weights after its last step before the mark. Every mark
 and the base model are then scored by `intellect eval`. Prints one JSON object (also OUT/peer_trl.json): the eval
 records at each mark and the samples each side trained per second (those of groups whose rewards differ).
+`--only ours` with an override (`--data.dynamic_sampling false`, `--data.curriculum '[]'`) measures one of our own
+levers at the same marks.
 """
 
 from __future__ import annotations
@@ -527,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[red]peer_trl: {e}[/]")
         return 2
-    if cfg.data.env is not None or cfg.run.sft_steps or cfg.data.curriculum:
+    if args.only != "ours" and (cfg.data.env is not None or cfg.run.sft_steps or cfg.data.curriculum):
         console.print(
             "[red]peer_trl: multi-turn pools (data.env), warm starts (run.sft_steps) and curricula (data.curriculum) "
             "have no TRL side here; for a warm start pass its model with --model DIR --run.sft_steps 0, for a "
