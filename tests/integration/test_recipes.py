@@ -117,6 +117,7 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
         "trainer.num_processes": "none",
         "trainer.process_id": "none",
         "data.online_filter": False,
+        "data.dynamic_sampling": False,  # (it needs the online filter) every stored sample trains
         "data.length_targets": "[]",
         "data.max_episode_tokens": 64,  # a multi-turn recipe's episodes in the test's rows
     }
