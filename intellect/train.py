@@ -68,10 +68,8 @@ def build_learner(cfg, release_memory=None, on_record=None):
 
         announced: list[tuple[int, str]] = []  # the newest (version, manifest sha256) announced
 
-        def announce(version: int, path: Path) -> None:
-            # the manifest's sha256 travels with the version: SHARDCAST clients accept no other manifest for it
-            manifest_sha256 = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
-            # with it, the batches the steps since the last announcement took: their room in the async window
+        def report(version: int, manifest_sha256: str) -> None:
+            # with the version, the batches the steps since the last report took: their room in the async window
             # goes to new assignments (design section 3)
             consumed = source.take_consumed()[-4096:]  # PolicyAnnouncement's limit (older ones left the window)
             try:
@@ -81,20 +79,20 @@ def build_learner(cfg, release_memory=None, on_record=None):
             except BaseException:
                 source.give_back_consumed(consumed)
                 raise
+
+        def announce(version: int, path: Path) -> None:
+            # the manifest's sha256 travels with the version: SHARDCAST clients accept no other manifest for it
+            manifest_sha256 = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+            report(version, manifest_sha256)
             announced[:] = [(version, manifest_sha256)]
 
         def release() -> None:
-            # a step still gathering (data.dynamic_sampling) reports what it took: announcing the current version
-            # again frees their room in the async window, so that workers make the batches it waits for
+            # a step still gathering (data.dynamic_sampling) reports what it took by announcing the current version
+            # again, so that workers make the batches it waits for; a failed report goes with the next announcement
             if announced:
-                version, manifest_sha256 = announced[0]
-                consumed = source.take_consumed()[-4096:]
                 try:
-                    client.announce_policy(
-                        version, learner_step=version, manifest_sha256=manifest_sha256, consumed=consumed
-                    )
-                except Exception as e:  # reported with the next announcement instead
-                    source.give_back_consumed(consumed)
+                    report(*announced[0])
+                except Exception as e:
                     logging.getLogger("intellect.train").warning("could not report taken batches: %s", e)
     else:
         accepted = StoreListing(store, trust_worker_rewards=True)
