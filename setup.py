@@ -128,6 +128,7 @@ DEV = [
     "moto[server]>=5.2",  # an S3 API server (with IAM) the upload tests and benchmark run the rollout store on
     "boto3>=1.44",  # the tests' S3 client (bucket, IAM users, snapshots)
     "gcp-storage-emulator>=2026.7",  # the GCS form of the store in the upload tests
+    "peft>=0.22",  # the reference the LoRA adapter tests load our adapters into (transformers + PEFT)
 ] + POSTGRES  # the PostgreSQL test runs where a server binary exists
 
 if __name__ == "__main__":  # pip and setuptools run this file as __main__; tests import its functions

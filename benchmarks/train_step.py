@@ -36,6 +36,11 @@ either to that depth, with random weights. Each side's peak resident memory (`pe
 is reported beside its speed, and the JAX step's memory plan (`jax_plan_gib`: XLA's buffers per device)
 beside that.
 
+`--lora RANK` adds two more sides in the same rounds: the JAX step training LoRA adapters of that rank on every
+projection (alpha = 2 x rank) on the frozen model, and eager torch with PEFT's adapters (the same adapter
+file, so that their first losses and gradient norms agree): `lora` in the JSON, with each side's speed-up over
+its full fine-tuning round by round, its peak memory and the trained parameters.
+
 `--scan-layers` is the learner's `[model] scan_layers` (auto: unrolled on CPU); `--other-form` adds a second JAX
 worker with the layers in the other form, timed in the same rounds (`other_form` in the JSON).
 
@@ -164,19 +169,31 @@ def _serve(setup, step) -> None:
     print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}), flush=True)
 
 
-def worker_jax(args) -> None:
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def lora_spec(args):
+    from jax_trainer.models.lora import LoraSpec
+
+    return LoraSpec(args.lora, 2.0 * args.lora, LORA_TARGETS)
+
+
+def adapter_dir(args) -> Path:
+    return Path(args.model_dir).parent / "adapter"
+
+
+def worker_jax(args, lora: bool = False) -> None:
     from jax_trainer import host, xla_flags
 
     if args.xla_flags:
         xla_flags.apply("cpu")
     retained = host.retain_freed_memory() if args.retain_memory else False
     import jax
-    from flax import nnx
 
     from jax_trainer.config import LossConfig, OptimConfig
     from jax_trainer.models import load_hf
     from jax_trainer.sharding import make_mesh
-    from jax_trainer.train_step import GRPOTrainer
+    from jax_trainer.train_step import GRPOTrainer, trainable
 
     compile_s = []
     events = {
@@ -192,12 +209,14 @@ def worker_jax(args) -> None:
     def setup():
         mesh = make_mesh(fsdp=1, devices=jax.devices()[:1])
         scan = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
-        model = load_hf(args.model_dir, mesh=mesh, verify=False, scan_layers=scan)
+        spec = lora_spec(args) if lora else None
+        model = load_hf(args.model_dir, mesh=mesh, verify=False, scan_layers=scan, lora=spec)
         optim = OptimConfig(
             lr=LR, weight_decay=WEIGHT_DECAY, b1=BETAS[0], b2=BETAS[1], eps=EPS, grad_clip=GRAD_CLIP, warmup_steps=0
         )
         trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference", temperature=1.0), optim)
-        box["trainer"], box["state"] = trainer, trainer.init_state(nnx.split(model)[1])
+        params = trainable(model)
+        box["trainer"], box["state"] = trainer, trainer.init_state(params)
         box["batch"] = trainer.device_batch(_packed(make_batch(args)))
         compile_s.clear()
         t0 = time.perf_counter()
@@ -212,6 +231,7 @@ def worker_jax(args) -> None:
             "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
             "retain_freed_memory": retained,
             "scanned": bool(model.scan_layers),
+            "trained_params": sum(x.size for x in jax.tree.leaves(params)),
             "plan_gib": {
                 "params": round(trainer.plan.params / 2**30, 3),
                 "opt_state": round(trainer.plan.opt_state / 2**30, 3),
@@ -233,7 +253,7 @@ def _packed(arrays):
     return PackedBatch(**arrays, versions=[0] * arrays["tokens"].shape[1], num_samples=arrays["tokens"].shape[1])
 
 
-def worker_torch(args) -> None:
+def worker_torch(args, lora: bool = False) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -259,7 +279,7 @@ def worker_torch(args) -> None:
         model, opt, b = box["model"], box["opt"], box["batch"]
         loss, _ = loss_and_metrics(model, b)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], GRAD_CLIP)
         if torch.isfinite(loss) and torch.isfinite(norm):
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -267,9 +287,15 @@ def worker_torch(args) -> None:
 
     def setup():
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+        if lora:  # PEFT's adapters, loaded from the JAX side's fresh adapter: the same A, B = 0
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter_dir(args), is_trainable=True)
         model.train()
         box["model"] = model
-        box["opt"] = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        box["trained_params"] = sum(p.numel() for p in trained)
+        box["opt"] = torch.optim.AdamW(trained, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
         box["batch"] = {k: torch.from_numpy(v[0]) for k, v in make_batch(args).items()}
         box["batch"]["tokens"] = box["batch"]["tokens"].long()
         t0 = time.perf_counter()
@@ -280,6 +306,7 @@ def worker_torch(args) -> None:
             "grad_norm": norm,
             "attn_implementation": model.config._attn_implementation,
             "threads": torch.get_num_threads(),
+            "trained_params": box["trained_params"],
         }
 
     _serve(setup, run_step)
@@ -311,8 +338,16 @@ def prepare(args) -> None:
     from jax_trainer.sharding import make_mesh
 
     config = hf_config(args)
-    model = init_random(ModelConfig.from_hf(config), mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), seed=0)
-    export_hf(model, args.model_dir, version=0, hf_config=config, dtype="float32", fsync=False)
+    if not _has_weights(Path(args.model_dir)):
+        model = init_random(ModelConfig.from_hf(config), mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), seed=0)
+        export_hf(model, args.model_dir, version=0, hf_config=config, dtype="float32", fsync=False)
+    if args.lora:  # the JAX side's fresh adapter (the same draws as its worker's), for PEFT to load
+        from bridge.weights import model_digest
+        from jax_trainer.models import load_hf
+        from jax_trainer.models.hf import export_adapter
+
+        model = load_hf(args.model_dir, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), lora=lora_spec(args))
+        export_adapter(model, adapter_dir(args), version=0, base_digest=model_digest(args.model_dir))
 
 
 # ---- parent ------------------------------------------------------------------------------------------------
@@ -368,6 +403,30 @@ def _other_form_figures(tok_s: dict, ready: dict, rss: dict) -> dict:
     }
 
 
+def _lora_figures(args, tok_s: dict, ready: dict, rss: dict) -> dict:
+    """`--lora`: each side's LoRA step beside its full fine-tuning step, timed in the same rounds."""
+    out = {"rank": args.lora, "alpha": 2.0 * args.lora, "targets": list(LORA_TARGETS)}
+    for side in ("jax", "torch"):
+        lora, full = tok_s[f"{side}_lora"], tok_s[side]
+        out[side] = {
+            "tokens_per_s": _stats(lora),
+            "speedup_over_full": round(statistics.median(a / b for a, b in zip(lora, full)), 3),
+            "speedup_per_round": [round(a / b, 3) for a, b in zip(lora, full)],
+            "peak_rss_mb": round(rss[f"{side}_lora"]),
+            "full_peak_rss_mb": round(rss[side]),
+            "trained_params": ready[f"{side}_lora"]["trained_params"],
+            "first_step_loss": ready[f"{side}_lora"]["loss"],
+            "first_step_grad_norm": ready[f"{side}_lora"]["grad_norm"],
+        }
+    out["jax"]["plan_gib"] = ready["jax_lora"]["plan_gib"]
+    out["jax_over_torch"] = round(statistics.median(a / b for a, b in zip(tok_s["jax_lora"], tok_s["torch_lora"])), 3)
+    out["first_step_agree"] = all(
+        abs(ready["jax_lora"][k] - ready["torch_lora"][k]) <= 1e-3 * abs(ready["torch_lora"][k]) + 1e-6
+        for k in ("loss", "grad_norm")
+    )
+    return out
+
+
 def _stats(values: list[float], digits: int = 1) -> dict:
     return {
         "median": round(statistics.median(values), digits),
@@ -421,11 +480,18 @@ def main() -> None:
         action="store_true",
         help="also time the JAX step with its layers in the other form (scanned <-> unrolled) in the same rounds",
     )
-    ap.add_argument("--worker", choices=("jax", "torch", "peak", "prepare"), help=argparse.SUPPRESS)
+    ap.add_argument("--lora", type=int, default=0, help="also time LoRA of this rank (JAX, and torch with PEFT)")
+    ap.add_argument(
+        "--worker", choices=("jax", "torch", "peak", "prepare", "jax_lora", "torch_lora"), help=argparse.SUPPRESS
+    )
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        {"jax": worker_jax, "torch": worker_torch, "peak": worker_peak, "prepare": prepare}[args.worker](args)
+        workers = {"jax": worker_jax, "torch": worker_torch, "peak": worker_peak, "prepare": prepare}
+        if args.worker.endswith("_lora"):
+            workers[args.worker.removesuffix("_lora")](args, lora=True)
+        else:
+            workers[args.worker](args)
         return
 
     if args.model and args.shape:
@@ -436,14 +502,17 @@ def main() -> None:
     shape = model_shape(args)
     with tempfile.TemporaryDirectory(prefix="train-step-bench-") as tmp:
         source = _config_source(args)
-        if _has_weights(source) and args.layers is None:
+        if _has_weights(source) and args.layers is None and not args.lora:
             args.model_dir = str(source)  # the checkpoint itself, as both frameworks load it
         else:
             args.model_dir = str(Path(tmp) / "model")
+            if _has_weights(source) and args.layers is None:  # the checkpoint, beside the adapter prepared below
+                Path(args.model_dir).symlink_to(source.absolute(), target_is_directory=True)
             subprocess.run(
                 [sys.executable, __file__, "--worker", "prepare", "--model-dir", args.model_dir, *argv], check=True
             )
-        workers = {k: Worker(k, args, argv) for k in ("jax", "torch", "peak")}
+        kinds = ("jax", "torch", "peak") + (("jax_lora", "torch_lora") if args.lora else ())
+        workers = {k: Worker(k, args, argv) for k in kinds}
         if args.other_form:  # the JAX step with the layers in the other form, in the same rounds
             workers["jax_other"] = Worker("jax", args, argv + ["--scan-layers", _other_form(workers["jax"].ready)])
         times = {k: [] for k in workers}
@@ -460,6 +529,7 @@ def main() -> None:
     tokens = args.batch * args.seq
     tok_s = {k: [tokens / statistics.median(ts) for ts in times[k]] for k in times if k != "peak"}
     other = _other_form_figures(tok_s, ready, rss) if args.other_form else None
+    lora = _lora_figures(args, tok_s, ready, rss) if args.lora else None
     peak = [ready["peak"]["flops"] / statistics.median(ts) / 1e9 for ts in times["peak"]]
     fpt = flops_per_token(shape, args.seq)
     jax_gflops = [t * fpt / 1e9 for t in tok_s["jax"]]
@@ -481,6 +551,7 @@ def main() -> None:
                 "scan_layers": args.scan_layers,
                 "jax_layers_scanned": ready["jax"]["scanned"],
                 **({"other_form": other} if other else {}),
+                **({"lora": lora} if lora else {}),
                 "tokens_per_step": tokens,
                 "rounds": args.rounds,
                 "steps_per_round": args.steps,

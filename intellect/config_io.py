@@ -24,12 +24,13 @@ import math
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from intellect.config import SECTIONS, Config, ConfigError
 
@@ -104,10 +105,10 @@ def _unknown_key_error(section: str, key: str | None, origin: _Origin) -> str | 
         return None
     guess = _closest(key, fields)
     owners = [s for s, model in SECTIONS.items() if key in model.model_fields]
-    if guess:
-        hint = f"did you mean {origin.spell(section, guess)}?"
-    elif owners:
+    if owners:  # the exact key of another section beats a near miss in this one
         hint = f"did you mean {origin.spell(owners[0], key)}?"
+    elif guess:
+        hint = f"did you mean {origin.spell(section, guess)}?"
     else:
         hint = f"keys of [{section}]: {', '.join(fields)}"
     return f"unknown key '{key}' in section '{section}' ('{section}.{key}', from {origin.describe()}); {hint}"
@@ -231,7 +232,12 @@ def _format_validation_error(exc: ValidationError, origins: Mapping[str, _Origin
             lines.append(f"{err['msg']} ({where})")
             continue
         key = ".".join(loc[:2])
-        item = "".join(f"[{part}]" for part in loc[2:])
+        # a sub-table's field (model.lora.rank) by its dotted name; an item of a list or dict in brackets
+        inner = [part for part in loc[2:] if not part.isdigit()]
+        if inner and len(inner) == len(loc[2:]) and _is_section_field(loc[0], loc[1]):
+            item = "".join(f".{part}" for part in loc[2:])
+        else:
+            item = "".join(f"[{part}]" for part in loc[2:])
         lines.append(f"invalid value for {key}{item} ({source(key)}): {err['msg']}; got {err['input']!r}")
     return "\n".join(lines)
 
@@ -269,7 +275,16 @@ def load_config(
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
 
 
+def _is_section_field(section: str, key: str) -> bool:
+    """Whether `section.key` is a sub-table with fields of its own (`model.lora`)."""
+    field = SECTIONS[section].model_fields.get(key) if section in SECTIONS else None
+    kinds = typing.get_args(field.annotation) or (field.annotation,) if field is not None else ()
+    return any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds)
+
+
 def _toml_value(value: Any) -> str:
+    if isinstance(value, BaseModel):  # a sub-table (model.lora), written inline
+        value = value.model_dump()
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):

@@ -39,7 +39,16 @@ def trainer_for(cfg: Config, model, mesh, reference=None):
     return GRPOTrainer(model, mesh, cfg.loss, cfg.optim, cfg.trainer, reference)
 
 
-def load_base(cfg: Config, path: str | Path, mesh):
+def lora_spec(cfg: Config):
+    """The `LoraSpec` of `[model.lora]`, or None when the whole model trains."""
+    from jax_trainer.models.lora import LoraSpec
+
+    lora = cfg.model.lora
+    return None if lora is None else LoraSpec(lora.rank, lora.alpha, tuple(lora.targets))
+
+
+def load_base(cfg: Config, path: str | Path, mesh, adapters: bool = False):
+    """The model at `path`; with `adapters`, with fresh `[model.lora]` adapters (when the config has them)."""
     from jax_trainer.models import load_hf
 
     m = cfg.model
@@ -52,12 +61,15 @@ def load_base(cfg: Config, path: str | Path, mesh):
         scan_layers=m.scan_layers,
         scan_unroll=m.scan_unroll,
         attention=m.attention,
+        lora=lora_spec(cfg) if adapters else None,
+        lora_seed=m.lora.seed if m.lora is not None else 0,
     )
 
 
-def abstract_from_hf_config(cfg: Config, hf_config: dict):
+def abstract_from_hf_config(cfg: Config, hf_config: dict, adapters: bool = False):
     from jax_trainer.models import ModelConfig, abstract_model
 
     m = cfg.model
     model_cfg = dataclasses.replace(ModelConfig.from_hf(hf_config), attention=m.attention)
-    return abstract_model(model_cfg, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll)
+    lora = lora_spec(cfg) if adapters else None
+    return abstract_model(model_cfg, m.param_dtype, m.compute_dtype, m.remat, m.scan_layers, m.scan_unroll, lora)

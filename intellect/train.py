@@ -26,8 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_learner(cfg, release_memory=None, on_record=None):
     """(learner, initial params or None when resuming) for a resolved config; `release_memory` and `on_record`
     (each step's metrics record, for W&B) go to the `Learner`."""
-    from flax import nnx
-
     from bridge.rollouts import RolloutStore
     from intellect.config import rollout_store
     from intellect.learner_setup import (
@@ -39,22 +37,28 @@ def build_learner(cfg, release_memory=None, on_record=None):
     )
     from jax_trainer.checkpoint import Checkpointer
     from jax_trainer.data import RolloutPipeline, StoreListing
-    from jax_trainer.learner import Learner
+    from jax_trainer.learner import Learner, check_checkpoint_base
+    from jax_trainer.train_step import trainable
 
     init_distributed(cfg)
     run_dir = Path(cfg.run.dir)
     mesh = mesh_from_config(cfg)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.trainer.keep_checkpoints)
     params = None
+    lora = cfg.model.lora is not None
     if ckpt.latest_step() is not None:
         _, meta = ckpt.read_meta()
         base_dir = Path(meta["base_model"])
-        model = abstract_from_hf_config(cfg, meta["hf_config"])
+        if lora:  # the checkpoint holds the adapters; the frozen base is read again, and must be the same
+            check_checkpoint_base(meta, base_dir)
+            model = load_base(cfg, base_dir, mesh, adapters=True)
+        else:
+            model = abstract_from_hf_config(cfg, meta["hf_config"])
     else:
         base_dir = Path(cfg.model.path)
-        model = load_base(cfg, base_dir, mesh)
-        params = nnx.split(model)[1]
-    reference = load_base(cfg, base_dir, mesh) if cfg.loss.kl_coef else None
+        model = load_base(cfg, base_dir, mesh, adapters=True)
+        params = trainable(model)
+    reference = load_base(cfg, base_dir, mesh) if cfg.loss.kl_coef and not lora else None
     trainer = trainer_for(cfg, model, mesh, reference)
 
     store = RolloutStore.open(rollout_store(cfg, "learner"))

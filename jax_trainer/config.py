@@ -25,6 +25,34 @@ MISMATCH_BOUNDS = {"token_mask": (0.5, 2.0), "seq_mask": (0.5, 2.0), "geo_mask":
 RematPolicy = Literal["none", "full", "save_dots", "offload"]
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+"""The projections LoRA can adapt: attention q/k/v/o, MLP gate/up/down (`jax_trainer.models.lora`)."""
+
+
+class LoraConfig(Section):
+    """[model.lora]: train LoRA adapters on a frozen base instead of the whole model."""
+
+    rank: int = Field(16, gt=0)
+    """Rank of every adapter (A: [in, rank], B: [rank, out])."""
+    alpha: float = Field(32.0, gt=0)
+    """The adapters' outputs are scaled by alpha / rank."""
+    targets: list[str] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Projections to adapt, by the names users know: q, k, v, o, gate, up, down."""
+    seed: int = 0
+    """Seed of the adapters' A matrices (B starts at zero, so a fresh adapter leaves the base unchanged)."""
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        unknown = [t for t in value if t not in LORA_TARGETS]
+        if unknown or not value or len(set(value)) != len(value):
+            raise ValueError(
+                f"{unknown or value} (a projection unknown, none, or one named twice): the decoder's projections "
+                f"are {', '.join(LORA_TARGETS)}"
+            )
+        return value
+
+
 class LearnerModelConfig(Section):
     """[model]: the policy's base weights and how the learner holds them."""
 
@@ -44,6 +72,8 @@ class LearnerModelConfig(Section):
     """Layers per iteration of the scan (XLA may overlap work across the unrolled layers)."""
     max_seq_len: int = Field(32768, gt=0)
     """Longest prompt plus completion the learner trains on, in tokens."""
+    lora: LoraConfig | None = None
+    """LoRA adapters to train on the frozen base (a table: rank, alpha, targets, seed); unset: the whole model."""
 
     @field_validator("remat", mode="before")
     @classmethod

@@ -105,6 +105,25 @@ def _hf_host_value(x, spec: TensorSpec, dtype: np.dtype) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(y, tiled=True))
 
 
+def host_values(arrays: Mapping[Path_, jax.Array], specs: Sequence[TensorSpec], dtype):
+    """`write_version`'s `host_value` for `arrays`: each spec's tensor in HF layout and `dtype`, whole on this host."""
+    np_dtype = resolve_dtype(dtype)
+    _check_shapes(arrays, specs)
+    return lambda spec: _hf_host_value(arrays[spec.path], spec, np_dtype)
+
+
+def _check_shapes(arrays: Mapping[Path_, jax.Array], specs: Sequence[TensorSpec]) -> None:
+    for spec in specs:
+        shape = tuple(arrays[spec.path].shape)
+        shape = shape if spec.layer is None else shape[1:]
+        if shape != spec.jax_shape or (spec.layer is not None and spec.layer >= arrays[spec.path].shape[0]):
+            raise WeightsError(
+                f"export: {spec.hf_name} has shape {list(shape)}"
+                f"{'' if spec.layer is None else f' (layer {spec.layer} of {arrays[spec.path].shape[0]})'}"
+                f", expected {list(spec.jax_shape)}"
+            )
+
+
 def export_params(
     arrays: Mapping[Path_, jax.Array],
     specs: Sequence[TensorSpec],
@@ -120,19 +139,9 @@ def export_params(
 ) -> ExportResult | None:
     """Write `arrays` as a complete HF directory at `out_dir` (`bridge.weights.write_version`, which documents
     the other arguments); None on process > 0."""
-    for spec in specs:
-        shape = tuple(arrays[spec.path].shape)
-        shape = shape if spec.layer is None else shape[1:]
-        if shape != spec.jax_shape or (spec.layer is not None and spec.layer >= arrays[spec.path].shape[0]):
-            raise WeightsError(
-                f"export: {spec.hf_name} has shape {list(shape)}"
-                f"{'' if spec.layer is None else f' (layer {spec.layer} of {arrays[spec.path].shape[0]})'}"
-                f", expected {list(spec.jax_shape)}"
-            )
-    np_dtype = resolve_dtype(dtype)
     return write_version(
         specs,
-        lambda spec: _hf_host_value(arrays[spec.path], spec, np_dtype),
+        host_values(arrays, specs, dtype),
         out_dir,
         version=version,
         writer=jax.process_index() == 0,

@@ -9,6 +9,10 @@ an orbax checkpoint saves the state and the source's cursor. Each step appends o
 wait time, staleness histogram) and updates a rich progress line on a terminal.
 
 A learner started on a run directory that has checkpoints resumes from the newest one.
+
+With LoRA (`GRPOTrainer.lora`), each export is also the adapter alone, as a PEFT directory
+`adapters/v{version:06d}` naming the base by its digest (`bridge.adapters`); the checkpoints hold the adapters
+and the base's digest, and a resume refuses another base.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ class Learner:
         self.release_memory = release_memory
         self.on_record = on_record
         self.weights_dir = self.run_dir / "weights"
+        self.adapters_dir = self.run_dir / "adapters"
+        self.base_digest = None
+        if trainer.lora is not None:
+            from bridge.weights import model_digest
+
+            self.base_digest = model_digest(self.base_model_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.is_writer = jax.process_index() == 0
 
@@ -88,9 +98,28 @@ class Learner:
                 dtype=self.config.export_dtype,
             )
             log.info("exported version %d to %s in %.1f s", version, out, time.perf_counter() - t0)
+        if self.base_digest is not None:
+            self._export_adapter(state, version)
         self._release()
         if self.announce is not None and self.is_writer:
             self.announce(version, out)
+        return out
+
+    def _export_adapter(self, state: TrainState, version: int) -> Path:
+        from jax_trainer.models.hf import export_adapter
+
+        out = self.adapters_dir / f"v{version:06d}"
+        if not _on_all_processes((out / "STABLE").exists()):
+            t0 = time.perf_counter()
+            export_adapter(
+                self.trainer.model(state.params),
+                out,
+                version=version,
+                base_digest=self.base_digest,
+                base_model=str(self.base_model_dir.absolute()),
+                dtype=self.config.export_dtype,
+            )
+            log.info("exported adapter %d to %s in %.2f s", version, out, time.perf_counter() - t0)
         return out
 
     def _release(self) -> None:
@@ -101,7 +130,8 @@ class Learner:
 
     def checkpoint(self, state: TrainState) -> None:
         step = _scalar(state.step)
-        self.checkpointer.save(step, state, checkpoint_meta(self.base_model_dir, step, self.source.cursor()))
+        meta = checkpoint_meta(self.base_model_dir, step, self.source.cursor(), self.base_digest)
+        self.checkpointer.save(step, state, meta)
 
     def close(self) -> None:
         """Stop the data source's background reading and finish the checkpointer's: native threads still
@@ -167,16 +197,40 @@ def _scalar(x):
     return np.asarray(x.addressable_data(0)).item()
 
 
-def checkpoint_meta(base_model_dir: str | Path, version: int, cursor: dict | None) -> dict:
+def checkpoint_meta(
+    base_model_dir: str | Path, version: int, cursor: dict | None, base_digest: str | None = None
+) -> dict:
     """What a checkpoint needs besides arrays: the data cursor, and the base model (its config.json rebuilds the
-    model for `intellect export`; its tokenizer files go into every export)."""
+    model for `intellect export`; its tokenizer files go into every export); with LoRA adapters, the base's
+    `bridge.weights.model_digest`, which the adapters are meaningless without."""
     base = Path(base_model_dir).absolute()
-    return {
+    meta = {
         "cursor": cursor,
         "version": version,
         "base_model": str(base),
         "hf_config": json.loads((base / "config.json").read_text()),
     }
+    if base_digest is not None:
+        meta["base_model_digest"] = base_digest
+    return meta
+
+
+def check_checkpoint_base(meta: dict, base_dir: str | Path) -> None:
+    """Refuse to resume LoRA adapters on a base other than the one they were trained on (CheckpointError)."""
+    from bridge.weights import model_digest
+    from jax_trainer.checkpoint import CheckpointError
+
+    want = meta.get("base_model_digest")
+    if want is None:
+        raise CheckpointError(
+            "the checkpoint holds no LoRA base digest: it was written by a run without [model.lora], "
+            "whose checkpoints hold the whole model"
+        )
+    got = model_digest(base_dir)
+    if got != want:
+        raise CheckpointError(
+            f"the checkpoint's LoRA adapters were trained on base model {want}, but {base_dir} is {got}"
+        )
 
 
 def _on_all_processes(flag: bool) -> bool:

@@ -33,6 +33,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("lora_rank", None),  # a LoRA adapter's rank: small, never split; its other axis shards like the kernel's
     # activations
     ("batch", ("data", "fsdp")),
     ("length", None),

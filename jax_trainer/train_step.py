@@ -16,6 +16,10 @@ Inside one compiled function:
 
 Shardings: parameters and optimizer state keep the layout of the logical-axis rules; the batch is split
 over `data` x `fsdp` along its rows. The state is donated, so the step updates it in place.
+
+A model with LoRA adapters (`Decoder(lora=...)`) trains the adapters alone: the state's parameters and the
+optimizer's moments are the adapters', the frozen base is a separate, undonated argument of the step (no
+gradient is taken for it), and the KL reference (`kl_coef > 0`) is the base itself (the adapters at zero).
 """
 
 from __future__ import annotations
@@ -78,18 +82,27 @@ class GRPOTrainer:
         self.optim = optim
         self.config = trainer if trainer is not None else TrainerConfig()
         self.tx = make_optimizer(optim, self.config.steps)
-        self.graphdef, params = nnx.split(model)
+        self.lora = getattr(model, "lora", None)
+        self.frozen = self.frozen_shardings = None  # the base under LoRA adapters
+        if self.lora is not None:
+            self.graphdef, params, self.frozen = nnx.split(model, nnx.LoRAParam, ...)
+            self.frozen_shardings = param_shardings(self.frozen, mesh)
+            if reference is not None:
+                raise ValueError("a LoRA model's KL reference is its own base; pass no reference model")
+        else:
+            self.graphdef, params = nnx.split(model)
         self.param_shardings = param_shardings(params, mesh)
         self._abstract_params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.ref_params = nnx.split(reference)[1] if reference is not None else None
-        if loss.kl_coef and self.ref_params is None:
+        if loss.kl_coef and self.ref_params is None and self.lora is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         self._compiled: dict[tuple[int, ...], Any] = {}  # batch shape -> compiled step
         self.plan = None  # the memory plan of the last compiled step (jax_trainer.plan)
 
     # ---- state -------------------------------------------------------------------------------------------
     def init_state(self, params) -> TrainState:
-        """A fresh state (step 0, zero optimizer moments) around `params` (an nnx.State of arrays)."""
+        """A fresh state (step 0, zero optimizer moments) around `params` (an nnx.State of arrays: with LoRA,
+        the adapters, `trainable(model)`)."""
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_state_shardings())(params)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         step, skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated) for _ in range(2))
@@ -110,8 +123,11 @@ class GRPOTrainer:
         return TrainState(params=abstract_params, opt_state=opt, step=scalar, skipped=scalar)
 
     def model(self, params) -> nnx.Module:
-        """The model holding `params` (e.g. `state.params`, to export or evaluate it)."""
-        return nnx.merge(self.graphdef, params)
+        """The model holding `params` (e.g. `state.params`, to export or evaluate it), on the frozen base with LoRA."""
+        return self._merge(params, self.frozen)
+
+    def _merge(self, params, frozen) -> nnx.Module:
+        return nnx.merge(self.graphdef, params) if frozen is None else nnx.merge(self.graphdef, params, frozen)
 
     def opt_state_shardings(self):
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -135,14 +151,14 @@ class GRPOTrainer:
         return out
 
     # ---- the step ----------------------------------------------------------------------------------------
-    def _logprobs(self, params, mb: dict[str, jax.Array]):
-        model = nnx.merge(self.graphdef, params)
+    def _logprobs(self, params, mb: dict[str, jax.Array], frozen=None):
+        model = self._merge(params, frozen)
         hidden = model.hidden_states(mb["tokens"], mb["positions"], mb["segment_ids"])[:, :-1]
         return token_logprobs(
             hidden, model.head(), mb["tokens"][:, 1:], self.loss.temperature, self.config.logprob_chunk
         )
 
-    def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params):
+    def _step_fn(self, state: TrainState, batch: dict[str, jax.Array], ref_params, frozen=None):
         loss_cfg, k = self.loss, self.config.steps_per_batch
         shifted = _shift(batch)
         m = batch["tokens"].shape[0]
@@ -153,11 +169,14 @@ class GRPOTrainer:
             # own forward gives it (`micro_loss`); a separate forward pass would compute the same numbers again
             old = None
         elif loss_cfg.logprob_source == "recompute":
-            old = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(state.params, mb)[0]), batch)
+            old = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(state.params, mb, frozen)[0]), batch)
         else:
             old = shifted["inference_logprobs"]
         ref = None
-        if loss_cfg.kl_coef:
+        if loss_cfg.kl_coef and frozen is not None:  # LoRA: the reference is the base, the adapters at zero
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            ref = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(zeros, mb, frozen)[0]), batch)
+        elif loss_cfg.kl_coef:
             ref = jax.lax.map(lambda mb: jax.lax.stop_gradient(self._logprobs(ref_params, mb)[0]), batch)
 
         def group(x):
@@ -168,7 +187,7 @@ class GRPOTrainer:
         def micro_loss(params, mb, sh, old_lp, ref_lp):
             # the numerator of the step's loss; the denominator needs every micro-batch's (mismatch) masks,
             # so the accumulated loss and gradients are divided by it after the scan (`jax_trainer.loss`)
-            lp, ent = self._logprobs(params, mb)
+            lp, ent = self._logprobs(params, mb, frozen)
             if old_lp is None:
                 old_lp = jax.lax.stop_gradient(lp)
             return policy_loss(
@@ -247,9 +266,10 @@ class GRPOTrainer:
         shardings = self.state_shardings(state)
         batch_sh = {key: v.sharding for key, v in batch.items()}
         ref_sh = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
+        frozen_sh = () if self.frozen is None else (self.frozen_shardings,)  # LoRA: the base, a 4th argument
         return jax.jit(
             self._step_fn,
-            in_shardings=(shardings, batch_sh, ref_sh),
+            in_shardings=(shardings, batch_sh, ref_sh, *frozen_sh),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
@@ -260,7 +280,8 @@ class GRPOTrainer:
         per-backend choice made while tracing (`jax_trainer.topology.platform`) follow the mesh's devices, which may
         be compile-only devices of another platform (`intellect plan --topology`)."""
         with jax.set_mesh(self.mesh):
-            return self.jitted_step(state, batch).lower(state, batch, ref_params)
+            frozen = () if self.frozen is None else (self.frozen,)
+            return self.jitted_step(state, batch).lower(state, batch, ref_params, *frozen)
 
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
         """Shapes, dtypes and shardings of a packed batch (`jax_trainer.packing`), without memory."""
@@ -286,7 +307,14 @@ class GRPOTrainer:
             self.plan = plan_of(compiled, self.mesh, state, batch)
             for line in self.plan.lines():
                 log.info("%s", line)
-        return compiled(state, batch, self.ref_params)
+        return compiled(state, batch, self.ref_params, *(() if self.frozen is None else (self.frozen,)))
+
+
+def trainable(model: nnx.Module):
+    """The parameters `GRPOTrainer` trains of `model`: its LoRA adapters when it has them, else all of them."""
+    if getattr(model, "lora", None) is not None:
+        return nnx.state(model, nnx.LoRAParam)
+    return nnx.split(model)[1]
 
 
 def _summarise(per_step: dict[str, jax.Array]) -> dict[str, jax.Array]:

@@ -22,6 +22,9 @@ depth in the program: what the depth test shows growing). `scan_layers="auto"` (
 and the attention mask's select no longer fuses into its matmul), and at the depths a CPU trains the unrolled
 program compiles as fast. Both forms hold the same parameters, so checkpoints move between them unchanged.
 
+`lora` (a `jax_trainer.models.lora.LoraSpec`) adds LoRA adapters (`nnx.LoRAParam`) to the projections it names;
+the trainer then trains those alone.
+
 `remat` names what each layer keeps for the backward pass (`REMAT_POLICIES`), applied to the scanned body or
 to each unrolled layer:
 
@@ -55,6 +58,7 @@ from jax_trainer.models.layers import (
     rope_inv_freq,
     rope_tables,
 )
+from jax_trainer.models.lora import LoraSpec, check_lora
 from jax_trainer.sharding import constrain
 
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
@@ -63,11 +67,11 @@ log = logging.getLogger("jax_trainer.models.decoder")
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs, lora=None):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.attn = Attention(cfg, param_dtype, compute_dtype, rngs)
+        self.attn = Attention(cfg, param_dtype, compute_dtype, rngs, lora)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
-        self.mlp = MLP(cfg, param_dtype, compute_dtype, rngs)
+        self.mlp = MLP(cfg, param_dtype, compute_dtype, rngs, lora)
 
     def __call__(self, x, cos, sin, segment_ids):
         x = x + self.attn(self.input_norm(x), cos, sin, segment_ids)
@@ -131,13 +135,13 @@ def _policy(remat: str, pinned_host: bool):
     return policies.nothing_saveable
 
 
-def _stacked_layers(cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs) -> DecoderLayer:
+def _stacked_layers(cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs, lora=None) -> DecoderLayer:
     """`cfg.num_layers` layers as one `DecoderLayer` whose parameters have a leading layer axis.
 
     The layer's structure comes from an abstract layer (no values); each stacked parameter is then created
     whole from the initialiser its metadata names.
     """
-    template = nnx.eval_shape(lambda: DecoderLayer(cfg, param_dtype, compute_dtype, nnx.Rngs(0)))
+    template = nnx.eval_shape(lambda: DecoderLayer(cfg, param_dtype, compute_dtype, nnx.Rngs(0), lora))
     graphdef, state = nnx.split(template)
 
     def stack(var):
@@ -162,8 +166,11 @@ class Decoder(nnx.Module):
         scan_layers: bool | str = "auto",
         scan_unroll: int = 1,
         rngs: nnx.Rngs | None = None,
+        lora: LoraSpec | None = None,
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
+        if lora is not None:
+            check_lora(lora, cfg)
         if scan_unroll < 1:
             raise ValueError(f"scan_unroll must be >= 1, got {scan_unroll}")
         self.cfg = cfg
@@ -171,9 +178,10 @@ class Decoder(nnx.Module):
         self.remat = remat_name(remat)
         self.scan_layers = resolve_scan_layers(scan_layers)
         self.scan_unroll = scan_unroll
+        self.lora = lora
         std = cfg.initializer_range
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), param_dtype, "normal", std)
-        self.layers = _stacked_layers(cfg, param_dtype, compute_dtype, rngs)
+        self.layers = _stacked_layers(cfg, param_dtype, compute_dtype, rngs, lora)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         if not cfg.tie_embeddings:
             self.lm_head = _param(

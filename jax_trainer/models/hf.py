@@ -20,9 +20,11 @@ from jax.sharding import Mesh
 
 from bridge.weights import ExportResult, TensorSpec
 from jax_trainer.export import export_params, load_params
+from jax_trainer.models import lora as lora_lib
 from jax_trainer.models.config import ModelConfig
 from jax_trainer.models.decoder import LAYER_AXIS, Decoder
 from jax_trainer.models.layers import init_value
+from jax_trainer.models.lora import LoraSpec
 from jax_trainer.sharding import make_mesh, param_shardings
 
 JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -107,6 +109,7 @@ def abstract_model(
     remat: str | bool = "none",
     scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
+    lora: LoraSpec | None = None,
 ) -> Decoder:
     """The model's structure with shapes only (no memory allocated, nothing compiled)."""
     return nnx.eval_shape(
@@ -118,6 +121,7 @@ def abstract_model(
             scan_layers=scan_layers,
             scan_unroll=scan_unroll,
             rngs=nnx.Rngs(0),
+            lora=lora,
         )
     )
 
@@ -143,24 +147,30 @@ def load_hf(
     scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
     attention: str = "auto",
+    lora: LoraSpec | None = None,
+    lora_seed: int = 0,
 ) -> Decoder:
     """A `Decoder` holding a Hugging Face checkpoint's weights, sharded over `mesh` (default: all devices, fsdp).
 
     Nothing is compiled: the model's structure comes from `nnx.eval_shape`, and each array is built from the
     checkpoint's memory maps straight into its sharding (`jax_trainer.export.load_params`), the layers' tensors
     stacked into their layer axis on the host. `attention` is the attention kernel (`ModelConfig.attention`).
+    With `lora`, the adapters are fresh (`init_random`'s draws from `lora_seed`): B = 0, so the outputs are the
+    checkpoint's.
     """
     cfg = dataclasses.replace(ModelConfig.from_dir(model_dir), attention=attention)
     mesh = mesh if mesh is not None else make_mesh()
-    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll)
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll, lora)
+    shardings = _shardings(abstract, mesh)
     arrays = load_params(
         model_dir,
         tensor_specs(cfg),
-        _shardings(abstract, mesh),
+        shardings,
         param_dtype,
         verify=verify,
         ignore=_ignored_hf_tensor(cfg),
     )
+    arrays.update(_random_values(abstract, shardings, lora_seed, nnx.LoRAParam))
     return _with_values(abstract, arrays)
 
 
@@ -193,6 +203,7 @@ def init_random(
     seed: int = 0,
     scan_layers: bool | str = "auto",
     scan_unroll: int = 1,
+    lora: LoraSpec | None = None,
 ) -> Decoder:
     """A randomly initialised model, each parameter created directly in its sharding (never whole on one device).
 
@@ -202,21 +213,61 @@ def init_random(
     `INIT_PRNG` key, folded in from `seed` by the parameter's position: no program holds the whole model.
     """
     mesh = mesh if mesh is not None else make_mesh()
-    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll)
-    shardings = _shardings(abstract, mesh)
+    abstract = abstract_model(cfg, param_dtype, compute_dtype, remat, scan_layers, scan_unroll, lora)
+    return _with_values(abstract, _random_values(abstract, _shardings(abstract, mesh), seed))
+
+
+def _random_values(abstract: Decoder, shardings: dict, seed: int, only=nnx.Param) -> dict[tuple, jax.Array]:
+    """Fresh values of the parameters of `abstract` that `only` selects (a variable type), each from its own key
+    (`seed` folded in by its position among all parameters: a parameter's draw does not depend on `only`)."""
     root = jax.random.key(seed, impl=INIT_PRNG)
     values = {}
     for index, (path, var) in enumerate(nnx.to_flat_state(nnx.state(abstract))):
+        if not isinstance(var, only):
+            continue
         path, meta, shape = tuple(path), var.get_metadata(), var.get_value()
         init, std = meta["init"]
         layered = meta["axes"][0] == LAYER_AXIS
         create = _initialiser(init, tuple(shape.shape), shape.dtype, shardings[path], layered)
         values[path] = create(jax.random.fold_in(root, index), jnp.float32(std))
-    return _with_values(abstract, values)
+    return values
 
 
 def model_arrays(model: Decoder) -> dict[tuple, jax.Array]:
-    return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    """The base model's parameters by path (the adapters left out)."""
+    base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
+    return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, base))}
+
+
+def adapter_arrays(model: Decoder) -> dict[tuple, jax.Array]:
+    """The LoRA adapters' parameters by path (empty without adapters)."""
+    return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+
+
+def merged_arrays(model: Decoder) -> dict[tuple, jax.Array]:
+    """The base parameters with each adapter merged into its kernel by the merge contract
+    (`jax_trainer.models.lora`): float32 W + (A B) * (alpha / rank), left in float32 for the export's one rounding."""
+    arrays = model_arrays(model)
+    if model.lora is None:
+        return arrays
+    adapters = adapter_arrays(model)
+    for t in model.lora.targets:
+        module, kernel, _ = lora_lib.TARGETS[t]
+        path_a, path_b = lora_lib.param_paths(t)
+        arrays[("layers", module, kernel)] = _merge(
+            arrays[("layers", module, kernel)], adapters[path_a], adapters[path_b], model.lora.scaling
+        )
+    return arrays
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _merge(kernel: jax.Array, a: jax.Array, b: jax.Array, scaling: float) -> jax.Array:
+    # stacked: kernel [layers, *in, *out], a [layers, *in, rank], b [layers, rank, *out]
+    f32 = jnp.float32
+    a = a.astype(f32).reshape(a.shape[0], -1, a.shape[-1])
+    b = b.astype(f32).reshape(b.shape[0], b.shape[1], -1)
+    delta = jnp.einsum("lir,lro->lio", a, b).reshape(kernel.shape) * f32(scaling)
+    return kernel.astype(f32) + delta
 
 
 def export_hf(
@@ -230,9 +281,10 @@ def export_hf(
     max_shard_bytes: int = 2 << 30,
     fsync: bool = True,
 ) -> ExportResult | None:
-    """Write `model` as a Hugging Face directory (docs/design.md section 4) loadable by transformers and vLLM."""
+    """Write `model` as a Hugging Face directory (docs/design.md section 4) loadable by transformers and vLLM;
+    a model with LoRA adapters is written merged (`merged_arrays`)."""
     return export_params(
-        model_arrays(model),
+        merged_arrays(model),
         tensor_specs(model.cfg),
         out_dir,
         version=version,
@@ -241,4 +293,33 @@ def export_hf(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
         fsync=fsync,
+    )
+
+
+def export_adapter(
+    model: Decoder,
+    out_dir: str | Path,
+    *,
+    version: int,
+    base_digest: str,
+    base_model: str = "",
+    dtype="float32",
+) -> ExportResult | None:
+    """Write `model`'s LoRA adapters as a PEFT adapter directory (`bridge.adapters`: `adapter_config.json`,
+    `adapter_model.safetensors`, a manifest naming the base by `base_digest`); None on process > 0."""
+    from bridge.adapters import write_adapter
+    from jax_trainer.export import host_values
+
+    if model.lora is None:
+        raise lora_lib.LoraError("export_adapter: the model has no LoRA adapters (model.lora is not set)")
+    specs = lora_lib.peft_specs(model.cfg, model.lora)
+    return write_adapter(
+        specs,
+        host_values(adapter_arrays(model), specs, dtype),
+        out_dir,
+        version=version,
+        config=lora_lib.peft_config(model.lora, base_model),
+        base_digest=base_digest,
+        dtype=dtype,
+        writer=jax.process_index() == 0,
     )

@@ -4,6 +4,7 @@ Every parameter is an `nnx.Param` with `axes` metadata (logical axis names, see 
 Kernels are stored [in, out] with heads split out (`q`: [embed, heads, head_dim]), so that the logical names
 say exactly which dimension a mesh axis splits. Numerics follow the Hugging Face implementations: norms and
 softmax in float32, RoPE tables in float32 then cast to the compute dtype, matmuls accumulate in float32.
+With a `LoraSpec`, the adapted projections also hold LoRA adapters (`jax_trainer.models.lora`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_trainer import kernels
 from jax_trainer.attention import attention, check_name
+from jax_trainer.models import lora as lora_lib
 from jax_trainer.models.config import ModelConfig, RopeConfig
 from jax_trainer.sharding import constrain
 
@@ -48,6 +50,31 @@ def dense(x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
     The result is named `DENSE_NAME` for the remat policies: XLA-level "save the dots" policies cannot see the
     dot inside the custom-VJP kernel, a checkpoint name can."""
     return checkpoint_name(kernels.dense(x, kernel, contract, dtype), DENSE_NAME)
+
+
+def _add_adapters(module: nnx.Module, cfg: ModelConfig, lora: lora_lib.LoraSpec | None, targets, param_dtype, rngs):
+    """A and B (`nnx.LoRAParam`, with axes and initialiser metadata) on `module` for each of `targets` that
+    `lora` adapts; `module.lora_targets` and `module.lora_scaling` say which and by how much."""
+    module.lora_targets = tuple(t for t in targets if lora is not None and t in lora.targets)
+    module.lora_scaling = lora.scaling if lora is not None else 0.0
+    for t in module.lora_targets:
+        ins, in_axes, outs, out_axes = lora_lib.target_shape(cfg, t)
+        std = 1.0 / math.sqrt(3 * math.prod(ins))
+        a_name, b_name = lora_lib.param_names(t)
+        a = init_value(rngs.params(), (*ins, lora.rank), param_dtype, "normal", std)
+        setattr(module, a_name, nnx.LoRAParam(a, axes=(*in_axes, "lora_rank"), init=("normal", std)))
+        b = init_value(None, (lora.rank, *outs), param_dtype, "zeros")
+        setattr(module, b_name, nnx.LoRAParam(b, axes=("lora_rank", *out_axes), init=("zeros", 0.02)))
+
+
+def project(module: nnx.Module, target: str, x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
+    """x through a projection's kernel (`dense`), plus its adapter's (alpha / rank) * ((x A) B) when it has one."""
+    y = dense(x, kernel, contract, dtype)
+    if target in module.lora_targets:
+        a_name, b_name = lora_lib.param_names(target)
+        low = dense(x, getattr(module, a_name)[...], contract, dtype)
+        y = y + dense(low, getattr(module, b_name)[...], 1, dtype) * jnp.asarray(module.lora_scaling, dtype)
+    return y
 
 
 class RMSNorm(nnx.Module):
@@ -101,7 +128,7 @@ class Attention(nnx.Module):
     `cfg.attention` (`jax_trainer.attention`: auto, xla, cudnn, splash), which builds the mask it needs.
     """
 
-    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs, lora=None):
         h, n, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         check_name(cfg.attention)
         self.cfg = cfg
@@ -120,12 +147,13 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype, "head_dim")
+        _add_adapters(self, cfg, lora, ("q", "k", "v", "o"), param_dtype, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.dtype
-        q = dense(x, self.q_proj[...], 1, dt)
-        k = dense(x, self.k_proj[...], 1, dt)
-        v = dense(x, self.v_proj[...], 1, dt)
+        q = project(self, "q", x, self.q_proj[...], 1, dt)
+        k = project(self, "k", x, self.k_proj[...], 1, dt)
+        v = project(self, "v", x, self.v_proj[...], 1, dt)
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)
             k = k + self.k_bias[...].astype(dt)
@@ -137,7 +165,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         out = attention(q, k, v, segment_ids, cfg.attention)
-        out = dense(out, self.o_proj[...], 2, dt)
+        out = project(self, "o", out, self.o_proj[...], 2, dt)
         if cfg.o_bias:
             out = out + self.o_bias[...].astype(dt)
         return out
@@ -146,7 +174,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, param_dtype, compute_dtype, rngs: nnx.Rngs, lora=None):
         h, m = cfg.hidden_size, cfg.intermediate_size
         self.dtype = compute_dtype
         self.bias = cfg.mlp_bias
@@ -158,16 +186,17 @@ class MLP(nnx.Module):
             self.gate_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")
             self.up_bias = _param(None, (m,), ("mlp",), param_dtype, "zeros")
             self.down_bias = _param(None, (h,), ("embed",), param_dtype, "zeros")
+        _add_adapters(self, cfg, lora, ("gate", "up", "down"), param_dtype, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        gate = dense(x, self.gate_proj[...], 1, dt)
-        up = dense(x, self.up_proj[...], 1, dt)
+        gate = project(self, "gate", x, self.gate_proj[...], 1, dt)
+        up = project(self, "up", x, self.up_proj[...], 1, dt)
         if self.bias:
             gate = gate + self.gate_bias[...].astype(dt)
             up = up + self.up_bias[...].astype(dt)
         inner = constrain(kernels.swiglu(gate, up), ("batch", "length", "act_mlp"))
-        out = dense(inner, self.down_proj[...], 1, dt)
+        out = project(self, "down", inner, self.down_proj[...], 1, dt)
         if self.bias:
             out = out + self.down_bias[...].astype(dt)
         return out

@@ -379,3 +379,13 @@ def test_config_show_of_the_defaults_loads_back_as_the_defaults(tmp_path):
     path = tmp_path / "shown.toml"
     path.write_text(text)
     assert load_config(path) == Config()
+
+
+def test_lora_table_reads_and_bad_targets_name_the_field(tmp_path):
+    cfg = load_config(write(tmp_path, '[model.lora]\nrank = 8\ntargets = ["q", "v"]\n'), env={})
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.targets) == (8, 32.0, ["q", "v"])
+    assert load_config(None, env={}).model.lora is None  # off by default: the whole model trains
+    message = error_of(write(tmp_path, '[model.lora]\ntargets = ["q", "qkv"]\n'))
+    assert "model.lora" in message and "targets" in message and "qkv" in message
+    assert "q, k, v, o, gate, up, down" in message
+    assert "model.lora.rank" in error_of(write(tmp_path, "[model.lora]\nrank = 0\n"))

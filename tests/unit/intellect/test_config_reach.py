@@ -91,6 +91,15 @@ def _other(annotation, default, bounds: dict[str, float], where: Path):
         return "x" if default is None else f"{default}-x"
     if annotation is Path:
         return where
+    if isinstance(annotation, type) and issubclass(annotation, Section):  # a sub-table: each field non-default
+        fields = annotation.model_fields
+        values = {
+            name: _other(info.annotation, info.get_default(call_default_factory=True), _bounds(info), where)
+            for name, info in fields.items()
+        }
+        if "targets" in fields:  # model.lora: a subset of the projections
+            values["targets"] = ["v", "down"]
+        return annotation(**values)
     raise AssertionError(f"no non-default value for {annotation!r}: extend _other in this test")
 
 
@@ -156,8 +165,9 @@ def _components(cfg: Config, tiny_model) -> dict[str, tuple[object, dict[str, st
     from jax_trainer.sharding import make_mesh
 
     hf_config = json.loads((tiny_model() / "config.json").read_text())
-    model = abstract_from_hf_config(cfg, hf_config)
-    reference = abstract_from_hf_config(cfg, hf_config) if cfg.loss.kl_coef else None
+    model = abstract_from_hf_config(cfg, hf_config, adapters=True)
+    # a LoRA model's KL reference is its own base
+    reference = abstract_from_hf_config(cfg, hf_config) if cfg.loss.kl_coef and model.lora is None else None
     trainer = trainer_for(cfg, model, make_mesh(fsdp=-1), reference)
     tasks = synthetic_tasks("sort", 8, 0, 3)
     worker = build_worker(cfg, tasks)
@@ -208,6 +218,9 @@ def test_every_field_reaches_the_component_that_uses_it(tmp_path, tiny_model):
     assert {np.dtype(x.dtype).name for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {cfg.model.param_dtype}
     reached |= {"model.param_dtype", "model.compute_dtype", "model.remat", "model.scan_layers", "model.scan_unroll"}
     reached.add("model.attention")
+    lora = cfg.model.lora
+    assert (model.lora.rank, model.lora.alpha, list(model.lora.targets)) == (lora.rank, lora.alpha, lora.targets)
+    reached.add("model.lora")  # its seed: the draws of `load_hf` (tests/unit/jax_trainer/test_lora.py)
 
     unread = [
         f"{section}.{field}"
