@@ -9,6 +9,16 @@
 transformers + PEFT (`PeftModel.from_pretrained(base, dir)`) and vLLM (`LoRARequest(name, id, dir)`) load the
 directory as it is. `verify_adapter(dir, base_digest)` refuses an adapter whose files do not match its manifest,
 that lacks its config, or that was trained on another base (naming both digests).
+
+The merge (`merge_weight`) is one function for every role that merges, so that all compute the same bytes on any
+machine: with W [out, in], A [r, in], B [out, r] in float32 and s = lora_alpha / r,
+
+    W' = float32(float64(W) + s * sum over k = 0..r-1, in that order, of float64(B[:, k]) * float64(A[k, :]))
+
+then rounded once from float32 to the export dtype. Every float64 product of two float32 values is exact and the
+sum's order is fixed, so no BLAS, thread count or device changes a bit. `merge_adapter` writes a base plus an
+adapter as a complete merged version (what a worker or validator serves); the learner's merged export uses the
+same function.
 """
 
 from __future__ import annotations
@@ -23,21 +33,75 @@ from pathlib import Path
 
 import numpy as np
 
-from bridge.safetensors_io import PlannedTensor, encode_header
+from bridge.safetensors_io import PlannedTensor, SafetensorsError, SafetensorsFile, encode_header
 from bridge.weights import (
     DTYPES,
     MANIFEST_FILE,
     STABLE_FILE,
     ExportResult,
+    HFCheckpoint,
     TensorSpec,
     WeightsError,
     resolve_dtype,
     verify_manifest,
+    write_version,
 )
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 KIND = "lora-adapter"
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in front of the transformers module path
+A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
+PLAIN = {"use_rslora": False, "use_dora": False, "bias": "none", "fan_in_fan_out": False}
+
+
+def lora_scaling(config: dict, where: str = CONFIG_FILE) -> float:
+    """lora_alpha / r of a PEFT `adapter_config.json`, refusing what plain LoRA does not compute (WeightsError)."""
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise WeightsError(
+            f"{where}: peft_type {config.get('peft_type') if isinstance(config, dict) else None!r} is not LORA"
+        )
+    for key, plain in PLAIN.items():
+        if config.get(key, plain) != plain:
+            raise WeightsError(
+                f"{where}: {key} = {config[key]!r} is not supported (only plain LoRA: {key} = {plain!r})"
+            )
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise WeightsError(f"{where}: {key} {config[key]!r} is not supported (one rank and alpha for all)")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1 or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise WeightsError(f"{where}: r ({r!r}) must be an integer >= 1 and lora_alpha ({alpha!r}) a number > 0")
+    return float(alpha) / r
+
+
+def merge_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
+    """W + s * (B @ A) in float32 by the merge contract (module docstring): W [out, in], A [r, in], B [out, r]."""
+    if a.ndim != 2 or b.ndim != 2 or w.shape != (b.shape[0], a.shape[1]) or a.shape[0] != b.shape[1]:
+        raise WeightsError(f"merge: W {list(w.shape)}, A {list(a.shape)} and B {list(b.shape)} do not fit W + B @ A")
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    delta = np.zeros(w.shape, np.float64)
+    for k in range(a.shape[0]):
+        delta += np.multiply.outer(b64[:, k], a64[k])
+    return (w.astype(np.float64) + np.float64(scaling) * delta).astype(np.float32)
+
+
+def adapter_pairs(names, where: str = WEIGHTS_FILE) -> dict[str, tuple[str, str]]:
+    """{base tensor name: (its lora_A name, its lora_B name)} of an adapter's tensor names; WeightsError on a
+    name that is neither, or an A without its B."""
+    pairs: dict[str, list[str | None]] = {}
+    for name in names:
+        for i, suffix in enumerate((A_SUFFIX, B_SUFFIX)):
+            if name.startswith(PEFT_PREFIX) and name.endswith(suffix):
+                module = name[len(PEFT_PREFIX) : -len(suffix)]
+                pairs.setdefault(module + ".weight", [None, None])[i] = name
+                break
+        else:
+            raise WeightsError(f"{where}: tensor {name!r} is not a LoRA A or B of plain LoRA")
+    incomplete = sorted(k for k, v in pairs.items() if None in v)
+    if incomplete:
+        raise WeightsError(f"{where}: {incomplete[0]} has an A without a B or a B without an A")
+    return {k: (v[0], v[1]) for k, v in pairs.items()}
 
 
 def write_adapter(
@@ -129,3 +193,60 @@ def verify_adapter(directory: str | Path, base_digest: str | None = None) -> dic
             f"but this base is {base_digest}"
         )
     return manifest
+
+
+def read_adapter(directory: str | Path, base_digest: str | None = None):
+    """(manifest, scaling, {base tensor name: (A, B)} as float32 arrays) of a verified adapter version."""
+    directory = Path(directory)
+    manifest = verify_adapter(directory, base_digest)
+    try:
+        config = json.loads((directory / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{directory / CONFIG_FILE}: unreadable ({e})") from e
+    scaling = lora_scaling(config, str(directory / CONFIG_FILE))
+    try:
+        weights = SafetensorsFile(directory / WEIGHTS_FILE)
+        pairs = adapter_pairs(weights.tensors, str(directory / WEIGHTS_FILE))
+        tensors = {
+            base: (np.asarray(weights.array(a), np.float32), np.asarray(weights.array(b), np.float32))
+            for base, (a, b) in pairs.items()
+        }
+    except SafetensorsError as e:
+        raise WeightsError(str(e)) from e
+    rank = config["r"]
+    for base, (a, b) in tensors.items():
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise WeightsError(f"{directory}: {base}'s A {list(a.shape)} / B {list(b.shape)} are not of rank {rank}")
+    return manifest, scaling, tensors
+
+
+def merge_adapter(
+    base_dir: str | Path,
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    version: int,
+    dtype="bfloat16",
+    base_digest: str | None = None,
+) -> ExportResult:
+    """Write base + adapter as a complete merged version at `out_dir` (`bridge.weights.write_version`), by the
+    merge contract; `base_digest` (the base's `model_digest`) is checked against the adapter's first."""
+    base = HFCheckpoint(base_dir)
+    _, scaling, tensors = read_adapter(adapter_dir, base_digest)
+    missing = sorted(set(tensors) - base.names())
+    if missing:
+        raise WeightsError(f"{adapter_dir}: adapts {missing[0]}, which the base {base_dir} does not have")
+    np_dtype = resolve_dtype(dtype)
+    specs = []
+    for name in sorted(base.names()):
+        shape = base._open(base.weight_map[name]).tensors[name].shape
+        specs.append(TensorSpec.same((name,), name, shape))
+
+    def host_value(spec: TensorSpec) -> np.ndarray:
+        w = base.array(spec.hf_name)
+        if spec.hf_name in tensors:
+            a, b = tensors[spec.hf_name]
+            return merge_weight(np.asarray(w, np.float32), a, b, scaling).astype(np_dtype)
+        return np.asarray(w).astype(np_dtype)
+
+    return write_version(specs, host_value, out_dir, version=version, source_dir=base_dir, dtype=dtype)

@@ -244,32 +244,6 @@ def adapter_arrays(model: Decoder) -> dict[tuple, jax.Array]:
     return {tuple(path): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
 
 
-def merged_arrays(model: Decoder) -> dict[tuple, jax.Array]:
-    """The base parameters with each adapter merged into its kernel by the merge contract
-    (`jax_trainer.models.lora`): float32 W + (A B) * (alpha / rank), left in float32 for the export's one rounding."""
-    arrays = model_arrays(model)
-    if model.lora is None:
-        return arrays
-    adapters = adapter_arrays(model)
-    for t in model.lora.targets:
-        module, kernel, _ = lora_lib.TARGETS[t]
-        path_a, path_b = lora_lib.param_paths(t)
-        arrays[("layers", module, kernel)] = _merge(
-            arrays[("layers", module, kernel)], adapters[path_a], adapters[path_b], model.lora.scaling
-        )
-    return arrays
-
-
-@functools.partial(jax.jit, static_argnums=(3,))
-def _merge(kernel: jax.Array, a: jax.Array, b: jax.Array, scaling: float) -> jax.Array:
-    # stacked: kernel [layers, *in, *out], a [layers, *in, rank], b [layers, rank, *out]
-    f32 = jnp.float32
-    a = a.astype(f32).reshape(a.shape[0], -1, a.shape[-1])
-    b = b.astype(f32).reshape(b.shape[0], b.shape[1], -1)
-    delta = jnp.einsum("lir,lro->lio", a, b).reshape(kernel.shape) * f32(scaling)
-    return kernel.astype(f32) + delta
-
-
 def export_hf(
     model: Decoder,
     out_dir: str | Path,
@@ -282,12 +256,49 @@ def export_hf(
     fsync: bool = True,
 ) -> ExportResult | None:
     """Write `model` as a Hugging Face directory (docs/design.md section 4) loadable by transformers and vLLM;
-    a model with LoRA adapters is written merged (`merged_arrays`)."""
+    a model with LoRA adapters is written merged, by the merge contract (`bridge.adapters.merge_weight`)."""
+    if model.lora is not None:
+        return _export_merged(model, out_dir, version, source_dir, hf_config, dtype, max_shard_bytes, fsync)
     return export_params(
-        merged_arrays(model),
+        model_arrays(model),
         tensor_specs(model.cfg),
         out_dir,
         version=version,
+        source_dir=source_dir,
+        hf_config=hf_config,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+        fsync=fsync,
+    )
+
+
+def _export_merged(model: Decoder, out_dir, version, source_dir, hf_config, dtype, max_shard_bytes, fsync):
+    """`export_hf` of a model with adapters: each adapted kernel gathered in float32 with its A and B, merged on
+    the host by `bridge.adapters.merge_weight` (what workers and validators compute), then cast."""
+    from bridge.adapters import PEFT_PREFIX, merge_weight
+    from bridge.weights import resolve_dtype, write_version
+    from jax_trainer.export import host_values
+
+    specs = tensor_specs(model.cfg)
+    base = host_values(model_arrays(model), specs, "float32")
+    lora_specs = {s.hf_name: s for s in lora_lib.peft_specs(model.cfg, model.lora)}
+    adapters = host_values(adapter_arrays(model), list(lora_specs.values()), "float32")
+    np_dtype = resolve_dtype(dtype)
+
+    def host_value(spec):
+        w = base(spec)
+        module = PEFT_PREFIX + spec.hf_name.removesuffix(".weight")
+        a_spec, b_spec = lora_specs.get(module + ".lora_A.weight"), lora_specs.get(module + ".lora_B.weight")
+        if a_spec is not None:
+            w = merge_weight(w, adapters(a_spec), adapters(b_spec), model.lora.scaling)
+        return w.astype(np_dtype)
+
+    return write_version(
+        specs,
+        host_value,
+        out_dir,
+        version=version,
+        writer=jax.process_index() == 0,
         source_dir=source_dir,
         hf_config=hf_config,
         dtype=dtype,

@@ -9,9 +9,8 @@ stacked over the layer axis like every other layer parameter. A fresh adapter ha
 The adapter in Hugging Face PEFT's layout (`peft_specs`): `base_model.model.model.layers.{i}.self_attn.q_proj.
 lora_A.weight` [rank, in] and `...lora_B.weight` [out, rank], with PEFT's flat head order.
 
-Merge, the arithmetic every role that merges must reproduce (docs/design.md section 4): in float32,
-delta = (B_hf @ A_hf) * (alpha / rank), then W' = W + delta, rounded once to the export dtype. This is the order
-of PEFT's `merge_and_unload` on float32 weights.
+The merge of an adapter into its base is `bridge.adapters.merge_weight` (docs/design.md section 4), the one
+function the learner's merged export, workers and validators all use.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "down": ("mlp", "down_proj", "mlp.down_proj"),
 }
 assert tuple(TARGETS) == LORA_TARGETS
-PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in front of the transformers module path
+PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in front of the transformers module path (bridge.adapters)
 
 
 class LoraError(ValueError):
@@ -149,17 +148,14 @@ def peft_config(spec: LoraSpec, base_model: str = "") -> dict:
 
 def spec_from_peft_config(config: dict, where: str = "adapter_config.json") -> LoraSpec:
     """The `LoraSpec` of a PEFT `adapter_config.json`; anything this decoder's LoRA does not compute is refused."""
-    if config.get("peft_type") != "LORA":
-        raise LoraError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
-    for key, plain in (("use_rslora", False), ("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
-        if config.get(key, plain) != plain:
-            raise LoraError(f"{where}: {key} = {config[key]!r} is not supported (only plain LoRA: {key} = {plain!r})")
-    if config.get("modules_to_save"):
-        raise LoraError(f"{where}: modules_to_save {config['modules_to_save']} is not supported")
+    from bridge.adapters import lora_scaling
+
+    try:
+        lora_scaling(config, where)
+    except ValueError as e:
+        raise LoraError(str(e)) from e
     modules = config.get("target_modules")
     by_module = {v[2].split(".")[-1]: k for k, v in TARGETS.items()}
     if not isinstance(modules, list) or any(m not in by_module for m in modules):
         raise LoraError(f"{where}: target_modules {modules!r} must be a list of {', '.join(by_module)}")
-    if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise LoraError(f"{where}: rank_pattern / alpha_pattern are not supported (one rank and alpha for all)")
     return LoraSpec(int(config["r"]), float(config["lora_alpha"]), tuple(by_module[m] for m in modules))

@@ -138,3 +138,8 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
     exported = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert exported[-1] == f"v{trained[-1]['step']:06d}", exported
     assert (tmp_path / "weights" / exported[-1] / "STABLE").exists()
+    if cfg.model.lora is not None:  # the adapter alone beside the merged version, naming the base it needs
+        from bridge.adapters import verify_adapter
+        from bridge.weights import model_digest
+
+        verify_adapter(tmp_path / "adapters" / exported[-1], model_digest(base))

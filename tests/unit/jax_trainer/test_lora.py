@@ -279,3 +279,31 @@ def test_compiled_step_drops_the_frozen_weight_gradients():
         flops[lora is not None] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     weight_gradients = 2 * n_matmul * rows * seq
     assert flops[False] - flops[True] >= 0.9 * weight_gradients, (flops, weight_gradients)
+
+
+def test_a_worker_merges_the_bytes_the_learner_merged(base_dir, tmp_path):
+    """`bridge.adapters.merge_adapter` (a worker's or validator's merge of base + adapter file) writes the very
+    tensors of the learner's merged export, in float32 and bfloat16; a wrong base or a malformed adapter is
+    refused by name."""
+    from bridge.adapters import merge_adapter
+    from bridge.weights import HFCheckpoint
+
+    spec = LoraSpec(rank=4, alpha=8.0, targets=ALL)
+    model = with_random_b(load_hf(base_dir, mesh=make_mesh(), lora=spec), seed=4)
+    digest = model_digest(base_dir)
+    export_adapter(model, tmp_path / "adapter", version=1, base_digest=digest)
+    for dtype in ("float32", "bfloat16"):
+        export_hf(model, tmp_path / f"learner-{dtype}", version=1, source_dir=base_dir, dtype=dtype)
+        merge_adapter(base_dir, tmp_path / "adapter", tmp_path / f"worker-{dtype}", version=1, dtype=dtype)
+        ours, theirs = HFCheckpoint(tmp_path / f"learner-{dtype}"), HFCheckpoint(tmp_path / f"worker-{dtype}")
+        assert ours.names() == theirs.names()
+        for name in ours.names():
+            a, b = ours.array(name), theirs.array(name)
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (dtype, name)
+    with pytest.raises(WeightsError, match=f"trained on base model {digest}, but this base is {'1' * 64}"):
+        merge_adapter(base_dir, tmp_path / "adapter", tmp_path / "x", version=1, base_digest="1" * 64)
+    config_path = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(WeightsError, match="adapter_config.json: size .* manifest says"):  # it guards each file
+        merge_adapter(base_dir, tmp_path / "adapter", tmp_path / "y", version=1)
