@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     xla_flags.apply("cpu", lean=not retain)
     import jax
 
-    from intellect.learner_setup import mesh_from_config, trainer_for
+    from intellect.learner_setup import lora_spec, mesh_from_config, trainer_for
     from jax_trainer.models import ModelConfig, abstract_model
     from jax_trainer.models.decoder import resolve_scan_layers
     from jax_trainer.plan import extrapolate_layers, plan_step
@@ -115,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
 
     def plan_at(layers: int):
         shaped = dataclasses.replace(model_cfg, num_layers=layers)
-        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scanned, m.scan_unroll)
-        reference = model if cfg.loss.kl_coef else None
+        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scanned, m.scan_unroll, lora_spec(cfg))
+        reference = model if cfg.loss.kl_coef and m.lora is None else None  # LoRA's reference is its own base
         return plan_step(trainer_for(cfg, model, mesh, reference), micro_batches, t.micro_batch_size, m.max_seq_len)
 
     depth = model_cfg.num_layers

@@ -49,7 +49,7 @@ def _out_of_memory(exc: Exception) -> str | None:
 
 def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = True) -> dict:
     """The plan of `cfg`'s learner step on the TPU slice `topology` (see the module docstring)."""
-    from intellect.learner_setup import trainer_for
+    from intellect.learner_setup import lora_spec, trainer_for
     from jax_trainer import step_cost
     from jax_trainer import topology as topo
     from jax_trainer.models import ModelConfig, abstract_model
@@ -73,8 +73,8 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
 
     def trainer_at(layers: int, scan: bool, c=cfg):
         shaped = dataclasses.replace(model_cfg, num_layers=layers)
-        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scan, m.scan_unroll)
-        return trainer_for(c, model, mesh, model if c.loss.kl_coef else None)
+        model = abstract_model(shaped, m.param_dtype, m.compute_dtype, m.remat, scan, m.scan_unroll, lora_spec(c))
+        return trainer_for(c, model, mesh, model if c.loss.kl_coef and c.model.lora is None else None)
 
     def compiled_at(layers: int, scan: bool, c=cfg, mb: int = micro, options=None):
         return compile_step(trainer_at(layers, scan, c), mb, c.trainer.micro_batch_size, m.max_seq_len, options)
@@ -92,13 +92,15 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
     }
     t0 = time.perf_counter()
     try:
-        compiled, _, state, batch = compiled_at(model_cfg.num_layers, scanned)
+        compiled, _, state, batch, frozen = compiled_at(model_cfg.num_layers, scanned)
     except Exception as exc:  # XLA:TPU refuses a program that cannot fit, as it would on the slice
         refusal = _out_of_memory(exc)
         if refusal is None:
             raise
-        state = trainer_at(model_cfg.num_layers, scanned).abstract_state()
+        trainer = trainer_at(model_cfg.num_layers, scanned)
+        state, frozen = trainer.abstract_state(), trainer.abstract_frozen()
         state_bytes = _shard_bytes(state.params) + _shard_bytes(state.opt_state)
+        state_bytes += _shard_bytes(frozen) if frozen is not None else 0
         return {
             **shape,
             "compile_s": round(time.perf_counter() - t0, 1),
@@ -112,7 +114,7 @@ def plan_tpu(cfg, topology: str, micro_batches: int | None = None, cost: bool = 
             ),
         }
     compile_s = time.perf_counter() - t0
-    plan = plan_of(compiled, mesh, state, batch)
+    plan = plan_of(compiled, mesh, state, batch, frozen)
     kernels = step_cost.mosaic_calls(compiled)
     out = {
         **shape,

@@ -5,7 +5,8 @@ on abstract arrays (`jax.ShapeDtypeStruct`s carrying their shardings: nothing is
 compiled executable's memory analysis. Per device:
 
 - parameters and optimizer state: the bytes of each array's shard on that device (the state is donated, so
-  the new state reuses these buffers);
+  the new state reuses these buffers); with LoRA, parameters count the frozen base and the adapters, the
+  optimizer state the adapters' moments alone;
 - batch: the packed micro-batches' shard;
 - temporaries: XLA's temporary buffers of the whole step (gradient accumulators, activations of the
   micro-batch being processed, recomputed activations under remat, logits chunks, optimizer update);
@@ -106,12 +107,14 @@ def compile_step(trainer, micro_batches: int, rows: int, seq_len: int, compiler_
     reference = None
     if trainer.ref_params is not None:  # the KL reference: the same shapes and shardings as the parameters
         trainer.ref_params = reference = state.params
-    compiled = trainer.lower(state, batch, reference).compile(compiler_options=compiler_options)
-    return compiled, trainer.mesh, state, batch
+    frozen = trainer.abstract_frozen()
+    compiled = trainer.lower(state, batch, reference, frozen).compile(compiler_options=compiler_options)
+    return compiled, trainer.mesh, state, batch, frozen
 
 
-def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
-    """The plan of an already compiled step (`GRPOTrainer.step` logs it when it compiles)."""
+def plan_of(compiled, mesh, state, batch, frozen=None) -> MemoryPlan:
+    """The plan of an already compiled step (`GRPOTrainer.step` logs it when it compiles); `frozen`: the frozen
+    base under LoRA adapters, counted with the parameters."""
     analysis = compiled.memory_analysis()
     arguments = analysis.argument_size_in_bytes
     outputs = analysis.output_size_in_bytes - analysis.alias_size_in_bytes
@@ -121,7 +124,7 @@ def plan_of(compiled, mesh, state, batch) -> MemoryPlan:
     return MemoryPlan(
         devices=mesh.size,
         mesh=dict(mesh.shape),
-        params=_shard_bytes(state.params),
+        params=_shard_bytes(state.params) + (_shard_bytes(frozen) if frozen is not None else 0),
         opt_state=_shard_bytes(state.opt_state),
         batch=_shard_bytes(batch),
         temporaries=temporaries,

@@ -274,13 +274,22 @@ class GRPOTrainer:
             donate_argnums=(0,),
         )
 
-    def lower(self, state, batch, ref_params=None):
+    def abstract_frozen(self):
+        """Shapes, dtypes and shardings of the frozen base under LoRA adapters (None without adapters)."""
+        if self.frozen is None:
+            return None
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), self.frozen, self.frozen_shardings
+        )
+
+    def lower(self, state, batch, ref_params=None, frozen=None):
         """The step lowered for `state` and `batch` (arrays or `ShapeDtypeStruct`s with shardings) under
         `jax.set_mesh(self.mesh)`: the activations' sharding constraints, splash attention's `shard_map` and every
         per-backend choice made while tracing (`jax_trainer.topology.platform`) follow the mesh's devices, which may
-        be compile-only devices of another platform (`intellect plan --topology`)."""
+        be compile-only devices of another platform (`intellect plan --topology`). `frozen`: the LoRA base
+        (default: the trainer's own)."""
         with jax.set_mesh(self.mesh):
-            frozen = () if self.frozen is None else (self.frozen,)
+            frozen = () if self.frozen is None else (self.frozen if frozen is None else frozen,)
             return self.jitted_step(state, batch).lower(state, batch, ref_params, *frozen)
 
     def abstract_batch(self, micro_batches: int, rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -304,7 +313,7 @@ class GRPOTrainer:
 
             compiled = self.lower(state, batch, self.ref_params).compile()
             self._compiled[shape] = compiled
-            self.plan = plan_of(compiled, self.mesh, state, batch)
+            self.plan = plan_of(compiled, self.mesh, state, batch, self.frozen)
             for line in self.plan.lines():
                 log.info("%s", line)
         return compiled(state, batch, self.ref_params, *(() if self.frozen is None else (self.frozen,)))

@@ -103,3 +103,20 @@ def test_a_cpu_plan_adds_the_host_runtime_to_its_devices_peaks():
     jax.block_until_ready((sharded, replicated))
     np.testing.assert_allclose(runtime_bytes(), before, atol=24 << 20)  # 128 MiB were allocated
     del sharded, replicated
+
+
+def test_lora_plan_counts_the_frozen_base_and_the_adapters_moments_alone():
+    from jax_trainer.models.lora import LoraSpec
+
+    mesh = make_mesh(fsdp=4, tensor=2)
+    lora = LoraSpec(4, 8.0, ("q", "k", "v", "o", "gate", "up", "down"))
+    full = plan_step(_trainer(CFG, mesh), 1, 8, 64)
+    model = abstract_model(CFG, lora=lora)
+    adapted = plan_step(GRPOTrainer(model, mesh, LossConfig(), OPTIM), 1, 8, 64)
+    adapters = sum(
+        int(np.prod(x.sharding.shard_shape(x.shape))) * 4
+        for x in jax.tree.leaves(GRPOTrainer(model, mesh, LossConfig(), OPTIM).abstract_state().params)
+    )
+    assert adapted.params == full.params + adapters  # the frozen base, sharded as before, plus the adapters
+    # Adam's two moments of the adapters alone, and the optimizer's step counters
+    assert 2 * adapters <= adapted.opt_state <= 2 * adapters + 16 and adapted.opt_state < full.opt_state / 10
