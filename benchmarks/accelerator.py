@@ -22,6 +22,8 @@ Stages (full size on one GPU; `--small` runs the same code at a tiny shape on th
   variant: the same at 4 layers, for the compile time against depth), Qwen2.5-1.5B at 8 x 2048.
 - `grpo_torch_0.5b`, `grpo_torch_1.5b`: the same step in eager PyTorch: HF Qwen2 (sdpa), bf16 autocast (none
   in small mode), float32 parameters, chunked LM head (no [batch, seq, vocab] logits held), fused AdamW on CUDA.
+- `grpo_jax_0.5b_lora`: the 0.5B step training rank-16 LoRA adapters on all seven projections (frozen base),
+  beside the full step above.
 - `logits`: JAX (`load_hf`) against transformers on the same random 0.5B-shaped checkpoint, 2 x 512 tokens on
   the device: float32 error relative to the logit scale, and the bfloat16 error beside the measured floor
   (transformers bf16 against transformers float32).
@@ -76,6 +78,7 @@ STAGE_LIMITS = {  # seconds (full size, small)
     "grpo_jax_0.5b": (150, 300),
     "grpo_torch_0.5b": (90, 240),
     "logits": (120, 240),
+    "grpo_jax_0.5b_lora": (150, 300),
     "grpo_jax_0.5b_4layers": (90, 300),
     "grpo_jax_1.5b": (150, 300),
     "grpo_torch_1.5b": (90, 240),
@@ -320,7 +323,7 @@ def _compute_dtype(small: bool) -> str:
     return "float32" if small else "bfloat16"
 
 
-def _grpo_jax(shape: str, small: bool) -> dict:
+def _grpo_jax(shape: str, small: bool, lora_rank: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -342,9 +345,12 @@ def _grpo_jax(shape: str, small: bool) -> dict:
         export_hf(model, tmp, version=0, hf_config=hf, dtype="float32", fsync=False)
         del model
         t0 = time.perf_counter()
-        model = load_hf(tmp, mesh=mesh, param_dtype="float32", compute_dtype=compute, verify=False)
+        lora = _lora(lora_rank)
+        model = load_hf(tmp, mesh=mesh, param_dtype="float32", compute_dtype=compute, verify=False, lora=lora)
         jax.block_until_ready(nnx.state(model))
         out["load_hf_s"] = time.perf_counter() - t0
+        if lora is not None:
+            out["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets)}
         try:
             out.update(_jax_steps(model, mesh, s, small))
         except Exception as exc:  # a kernel the device refuses: measure the step on the xla kernel, say why
@@ -352,23 +358,30 @@ def _grpo_jax(shape: str, small: bool) -> dict:
                 raise
             out["attention_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             out["attention"] = "xla"
-            model = load_hf(tmp, mesh=mesh, param_dtype="float32", compute_dtype=compute, verify=False, attention="xla")
+            model = load_hf(
+                tmp, mesh=mesh, param_dtype="float32", compute_dtype=compute, verify=False, attention="xla", lora=lora
+            )
             out.update(_jax_steps(model, mesh, s, small))
     return _throughput(out, s, _jax_device()[1], _jax_peak_memory_gib())
+
+
+def _lora(rank: int):
+    from jax_trainer.models.lora import TARGETS, LoraSpec
+
+    return LoraSpec(rank, 2.0 * rank, tuple(TARGETS)) if rank else None
 
 
 def _jax_steps(model, mesh, s: argparse.Namespace, small: bool) -> dict:
     """`GRPOTrainer.step` on `model`: the first step (compile included), its loss, the steady-state step time."""
     import jax
     import train_step
-    from flax import nnx
 
     from jax_trainer.config import LossConfig, OptimConfig
-    from jax_trainer.train_step import GRPOTrainer
+    from jax_trainer.train_step import GRPOTrainer, trainable
 
     optim = OptimConfig(lr=train_step.LR, weight_decay=train_step.WEIGHT_DECAY, grad_clip=train_step.GRAD_CLIP)
     trainer = GRPOTrainer(model, mesh, LossConfig(logprob_source="inference", temperature=1.0), optim)
-    box = {"state": trainer.init_state(nnx.split(model)[1])}
+    box = {"state": trainer.init_state(trainable(model))}  # the adapters alone under LoRA
     batch = trainer.device_batch(train_step._packed(train_step.make_batch(s)))
 
     def step():
@@ -529,6 +542,7 @@ STAGES: dict[str, Callable[[bool], dict]] = {
     "grpo_jax_0.5b": lambda small: _grpo_jax("0.5b", small),
     "grpo_torch_0.5b": lambda small: _grpo_torch("0.5b", small),
     "logits": logits_stage,
+    "grpo_jax_0.5b_lora": lambda small: _grpo_jax("0.5b", small, lora_rank=16),
     "grpo_jax_0.5b_4layers": lambda small: _grpo_jax("0.5b_4layers", small),
     "grpo_jax_1.5b": lambda small: _grpo_jax("1.5b", small),
     "grpo_torch_1.5b": lambda small: _grpo_torch("1.5b", small),
@@ -573,6 +587,15 @@ def summary(records: dict) -> dict:
     four, full = result("grpo_jax_0.5b_4layers"), result("grpo_jax_0.5b")
     if four and full:
         out["first_step_24_over_4_layers"] = full["first_step_s"] / four["first_step_s"]
+    lora = result("grpo_jax_0.5b_lora")
+    if lora and full:  # its model TFLOP/s count the full step's 6N per token: compare times, not MFU
+        out["lora_0.5b"] = {
+            "jax_tokens_per_s": lora["tokens_per_s"],
+            "speedup_over_full": full["step_s"] / lora["step_s"],
+            "peak_memory_gib": lora["peak_memory_gib"],
+            "full_peak_memory_gib": full["peak_memory_gib"],
+            "first_step_s": lora["first_step_s"],
+        }
     return out
 
 

@@ -26,13 +26,20 @@ class HFOutput:
     hidden: np.ndarray  # float32 [len, hidden]: final-norm output, HF `hidden_states[-1]`
 
 
-def hf_forward(model_dir: str | Path, sequences: list[list[int]], dtype: str = "float32") -> list[HFOutput]:
+def hf_forward(
+    model_dir: str | Path, sequences: list[list[int]], dtype: str = "float32", adapter: str | Path | None = None
+) -> list[HFOutput]:
     """Run the HF model in `model_dir` on each sequence and return its logits and final hidden states (float32;
-    float64 when `dtype` is "float64")."""
+    float64 when `dtype` is "float64"); with `adapter`, a PEFT adapter directory applied on it (PEFT's layers,
+    not merged)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).to(getattr(torch, dtype))
     model.eval()
     keep = torch.float64 if dtype == "float64" else torch.float32  # a float64 reference stays float64
     outputs = []
@@ -64,9 +71,11 @@ def vllm_prompt_logprobs(
     max_model_len: int | None = None,
     seed: int = 0,
     enforce_eager: bool = True,
+    adapter: str | Path | None = None,
     **engine_args,
 ) -> list[np.ndarray]:
-    """Score each sequence as a vLLM prompt: float32 [len-1], the logprob of token t given tokens < t.
+    """Score each sequence as a vLLM prompt: float32 [len-1], the logprob of token t given tokens < t; with
+    `adapter`, through vLLM's LoRA layers (`enable_lora`, one `LoRARequest` for the PEFT directory).
 
     Starts an in-process engine (eager unless `enforce_eager=False`; `engine_args` go to `vllm.LLM`; set
     `VLLM_ENABLE_V1_MULTIPROCESSING=0` and a small `VLLM_CPU_KVCACHE_SPACE` on CPU) and shuts it down before
@@ -79,6 +88,15 @@ def vllm_prompt_logprobs(
 
     if any(len(tokens) < 2 for tokens in sequences):
         raise ValueError("every sequence needs at least 2 tokens to have a prompt logprob")
+    lora_request = None
+    if adapter is not None:
+        import json
+
+        from vllm.lora.request import LoRARequest
+
+        rank = json.loads((Path(adapter) / "adapter_config.json").read_text())["r"]
+        engine_args = {"enable_lora": True, "max_lora_rank": max(8, rank), "max_loras": 1, **engine_args}
+        lora_request = LoRARequest("adapter", 1, str(adapter))
     llm = LLM(
         model=str(model_dir),
         dtype=dtype,
@@ -91,7 +109,10 @@ def vllm_prompt_logprobs(
     try:
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
         results = llm.generate(
-            [TokensPrompt(prompt_token_ids=list(tokens)) for tokens in sequences], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(tokens)) for tokens in sequences],
+            params,
+            use_tqdm=False,
+            lora_request=lora_request,
         )
         # prompt_logprobs[0] is None (no context); entry t maps token ids to Logprob and holds tokens[t].
         return [

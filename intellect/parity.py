@@ -18,6 +18,11 @@ the exact values to the dtype costs, so a lucky exact match cannot make the tole
 
 With `--export DIR` the JAX model is also written as a Hugging Face directory and the torch engines score
 that export instead of the original: the full HF -> JAX -> HF round trip in one command.
+
+With `--adapter DIR` (a PEFT LoRA adapter directory, e.g. a learner's `adapters/vN`) every engine applies the
+adapter to the model: JAX with its own LoRA layers, transformers through PEFT, vLLM through its LoRA kernels
+(`enable_lora`); the floor is measured with the adapter applied. With `--export` as well, the JAX model is
+written merged and the other engines score the merged export.
 """
 
 from __future__ import annotations
@@ -134,7 +139,12 @@ def check_parity(
     export_dir: str | Path | None = None,
     tol_logits: float | None = None,
     tol_logprobs: float | None = None,
+    adapter: str | Path | None = None,
+    jax_adapter: str | Path | None = None,
 ) -> ParityReport:
+    """`adapter`: a PEFT LoRA adapter directory every engine applies to the model (JAX with its own LoRA layers,
+    transformers through PEFT, vLLM through its LoRA kernels); `jax_adapter`: another one for the JAX side only
+    (a parity check must fail when the adapters differ)."""
     from gpu_workers.scoring import hf_forward, token_logprobs_from_logits
     from jax_trainer.models import ModelConfig, export_hf, load_hf
 
@@ -145,18 +155,27 @@ def check_parity(
     torch_dir = Path(model_dir)
     logits: dict[str, list[np.ndarray]] = {}
     logprobs: dict[str, list[np.ndarray]] = {}
+    jax_adapter = jax_adapter if jax_adapter is not None else adapter
     if "jax" in engines or export_dir is not None:
-        model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)
+        if jax_adapter is not None:
+            from jax_trainer.models.hf import load_adapter
+            from jax_trainer.models.lora import spec_from_peft_config
+
+            spec = spec_from_peft_config(json.loads((Path(jax_adapter) / "adapter_config.json").read_text()))
+            model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype, lora=spec)
+            model = load_adapter(model, jax_adapter)
+        else:
+            model = load_hf(model_dir, param_dtype=dtype, compute_dtype=dtype)
         if "jax" in engines:
             logits["jax"] = jax_logits(model, seqs)
-        if export_dir is not None:
+        if export_dir is not None:  # with an adapter: merged (the engines then score the merged export)
             export_hf(model, export_dir, version=0, source_dir=model_dir, dtype=dtype)
-            torch_dir = Path(export_dir)
+            torch_dir, adapter = Path(export_dir), None
         del model
-    hf_low = [o.logits for o in hf_forward(torch_dir, seqs, dtype=dtype)]
+    hf_low = [o.logits for o in hf_forward(torch_dir, seqs, dtype=dtype, adapter=adapter)]
     if "hf" in engines:
         logits["hf"] = hf_low
-    ref = [o.logits for o in hf_forward(torch_dir, seqs, dtype=REFERENCE_DTYPE)]
+    ref = [o.logits for o in hf_forward(torch_dir, seqs, dtype=REFERENCE_DTYPE, adapter=adapter)]
 
     def token_logprobs(values: list[np.ndarray]) -> list[np.ndarray]:
         return [token_logprobs_from_logits(x, np.asarray(s)) for x, s in zip(values, seqs)]
@@ -166,7 +185,9 @@ def check_parity(
     if "vllm" in engines:
         from gpu_workers.scoring import vllm_prompt_logprobs
 
-        logprobs["vllm"] = vllm_prompt_logprobs(torch_dir, seqs, dtype=dtype, max_model_len=max(map(len, seqs)) + 8)
+        logprobs["vllm"] = vllm_prompt_logprobs(
+            torch_dir, seqs, dtype=dtype, max_model_len=max(map(len, seqs)) + 8, adapter=adapter
+        )
     floor = {
         "logits": measured_floor(hf_low, ref, dtype),
         "logprobs": measured_floor(token_logprobs(hf_low), token_logprobs(ref), dtype),
@@ -197,6 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="also export the JAX model here and score the export with hf/vllm",
     )
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory every engine applies to the model")
     p.add_argument("--tol-logits", type=float, default=None, help="an absolute bound on max |logits diff| instead")
     p.add_argument("--tol-logprobs", type=float, default=None, help="an absolute bound on max |logprob diff| instead")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -219,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             args.export_dir,
             args.tol_logits,
             args.tol_logprobs,
+            args.adapter,
         )
     if args.json:
         print(report.to_json())

@@ -307,6 +307,48 @@ def _export_merged(model: Decoder, out_dir, version, source_dir, hf_config, dtyp
     )
 
 
+def load_adapter(model: Decoder, adapter_dir: str | Path, base_digest: str | None = None) -> Decoder:
+    """`model` (built with the adapter's `LoraSpec`, e.g. `load_hf(..., lora=spec_from_peft_config(...))`) holding
+    the adapters of a PEFT adapter directory (verified by `bridge.adapters.verify_adapter`, against `base_digest`
+    when given), each array in the sharding of the one it replaces."""
+    import numpy as np
+
+    from bridge.adapters import WEIGHTS_FILE, verify_adapter
+    from bridge.safetensors_io import SafetensorsFile
+
+    if model.lora is None:
+        raise lora_lib.LoraError("load_adapter: the model has no LoRA adapters (build it with lora=...)")
+    verify_adapter(adapter_dir, base_digest)
+    weights = SafetensorsFile(Path(adapter_dir) / WEIGHTS_FILE)
+    specs = lora_lib.peft_specs(model.cfg, model.lora)
+    expected = {s.hf_name for s in specs}
+    if set(weights.tensors) != expected:
+        extra, missing = sorted(set(weights.tensors) - expected), sorted(expected - set(weights.tensors))
+        raise lora_lib.LoraError(
+            f"{adapter_dir}: the adapter's tensors are not those of {model.lora} (unexpected {extra[:3]}, "
+            f"missing {missing[:3]})"
+        )
+    current = adapter_arrays(model)
+    layers: dict[tuple, dict[int, np.ndarray]] = {}
+    for spec in specs:
+        value = weights.array(spec.hf_name)
+        if value.shape != spec.hf_shape:
+            raise lora_lib.LoraError(
+                f"{adapter_dir}: {spec.hf_name} is {list(value.shape)}, expected {list(spec.hf_shape)}"
+            )
+        layers.setdefault(spec.path, {})[spec.layer] = spec.to_jax(value)
+    values = {}
+    for path, by_layer in layers.items():
+        old = current[path]
+        stacked = np.stack([by_layer[i] for i in range(len(by_layer))]).astype(old.dtype)
+        values[path] = jax.device_put(stacked, old.sharding)
+    graphdef, state = nnx.split(model)
+    for path, var in nnx.to_flat_state(state):
+        if tuple(path) in values:
+            var.set_value(values[tuple(path)])
+    return nnx.merge(graphdef, state)
+
+
 def export_adapter(
     model: Decoder,
     out_dir: str | Path,
