@@ -2,8 +2,9 @@
 
     adapter_config.json         PEFT's LoRA config (r, lora_alpha, target_modules; plain LoRA only)
     adapter_model.safetensors   every lora_A [rank, in] / lora_B [out, rank] under PEFT's names, one file
-    manifest.json               version, base_model_digest (`bridge.weights.model_digest` of the base), and the
-                                size, sha256 and part sha256s of each file, as a full version's manifest
+    manifest.json               version, base_model_digest (`bridge.weights.model_digest` of the base), optional
+                                base_version (the full version it applies to, when it is shipped by SHARDCAST
+                                in its place), and the size, sha256 and part sha256s of each file
     STABLE                      written last
 
 transformers + PEFT (`PeftModel.from_pretrained(base, dir)`) and vLLM (`LoRARequest(name, id, dir)`) load the
@@ -114,10 +115,13 @@ def write_adapter(
     base_digest: str,
     dtype="float32",
     writer: bool = True,
+    base_version: int | None = None,
 ) -> ExportResult | None:
     """Write an adapter version at `out_dir` (module docstring). `host_value(spec)` is the tensor of `spec` in
     PEFT's layout and `dtype`, called once per spec, in order, on every process; only the `writer` writes. The
-    directory appears whole (written under a temporary name, then renamed) and is never overwritten."""
+    directory appears whole (written under a temporary name, then renamed) and is never overwritten.
+    `base_version`: the full version of the same SHARDCAST directory the adapter applies to (its manifest's
+    `base_version`, which relays and workers keep beside it)."""
     from bridge.shardcast.manifest import PART_SIZE, hash_file_parts
 
     out_dir = Path(out_dir)
@@ -152,6 +156,7 @@ def write_adapter(
             "version": int(version),
             "kind": KIND,
             "base_model_digest": base_digest,
+            **({"base_version": int(base_version)} if base_version is not None else {}),
             "dtype": next(k for k, v in DTYPES.items() if v == np_dtype),
             "part_size": PART_SIZE,
             "files": files,

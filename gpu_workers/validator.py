@@ -60,6 +60,7 @@ from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.disk import held_manifest_sha256
 from bridge.validator_logprobs import flat_logprobs, write_validator_logprobs
 from gpu_workers import checks
+from gpu_workers.adapters import bases_of, drop_merged, servable
 from gpu_workers.calibration import CalibrationError, calibration_problem, needs_calibration
 from gpu_workers.config import DataConfig, ValidatorConfig, WorkerConfig, completion_cap, episode_limits, sample_caps
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
@@ -218,6 +219,12 @@ class Validator:
                 buffer_bytes=self.shardcast.buffer_mib << 20,
             )
         path = client.fetch(version, self.weights_dir, wait=self.shardcast.timeout_s, manifest_sha256=pin).path
+
+        def fetch_base(base: int) -> Path:
+            wait, pinned = self.shardcast.timeout_s, self.pins.get(base)
+            return client.fetch(base, self.weights_dir, wait=wait, manifest_sha256=pinned).path
+
+        path = servable(path, self.weights_dir, fetch_base)  # an adapter version: merged into its base
         prefill = Prefill(
             path,
             self.config.dtype,
@@ -236,7 +243,9 @@ class Validator:
         self.loaded[version] = loaded
         while len(self.loaded) > self.config.cache_versions:
             old, _ = self.loaded.popitem(last=False)
-            shutil.rmtree(self.weights_dir / f"v{old:06d}", ignore_errors=True)
+            if old not in bases_of(self.weights_dir, self.loaded):  # a base stays while its adapters are loaded
+                shutil.rmtree(self.weights_dir / f"v{old:06d}", ignore_errors=True)
+            drop_merged(self.weights_dir, self.loaded)
             log.info("dropped version %d from the cache", old)
         log.info(
             "loaded version %d for prefill (%s on %s, %d tokens a batch)",

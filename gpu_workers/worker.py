@@ -44,6 +44,7 @@ from bridge.shardcast.config import ShardcastConfig
 from bridge.shardcast.delta import retained
 from bridge.shardcast.disk import held_manifest_sha256
 from bridge.upload import encode
+from gpu_workers.adapters import bases_of, drop_merged, servable
 from gpu_workers.config import DataConfig, WorkerConfig, completion_cap, episode_limits, sample_caps
 from gpu_workers.engine import Engine
 from gpu_workers.node import NodeBanned, Stop, connect, hardware_report, join, leave, patiently, touch
@@ -178,6 +179,7 @@ class Worker:
         elif not (path / "STABLE").exists():
             log.info("version %d is not held yet: fetching it now", version)
             path = self._fetch(version)
+        path = servable(path, self.weights_dir, self._held_or_fetched)  # an adapter: merged into its base
         if self.engine is None:
             from transformers import AutoTokenizer
 
@@ -198,6 +200,10 @@ class Worker:
             self.engine.swap(path, version)
         self._retire()
 
+    def _held_or_fetched(self, version: int) -> Path:
+        path = self.weights_dir / f"v{version:06d}"
+        return path if (path / "STABLE").exists() else self._fetch(version)
+
     def _retire(self) -> None:
         """Delete held versions that are out of the async window, keeping the newest keep_versions and (with
         shardcast.keep_anchor) the newest anchor version, the base the next versions' deltas are rebuilt from."""
@@ -205,10 +211,12 @@ class Worker:
         running = self.engine.version if self.engine else None
         held = self.held_versions()
         anchor = retained(held, 1, self.shardcast.keep_anchor) - {held[0]} if held else set()
+        anchor |= bases_of(self.weights_dir, held)  # the base versions of held adapter versions
         for i, v in enumerate(held):
             if v != running and v not in anchor and (i >= self.config.keep_versions or v < floor):
                 shutil.rmtree(self.weights_dir / f"v{v:06d}", ignore_errors=True)
                 log.info("removed version %d (out of the async window or beyond keep_versions)", v)
+        drop_merged(self.weights_dir, self.held_versions())
 
     # -- one assignment -----------------------------------------------------------------------------------
 

@@ -138,6 +138,7 @@ def build_learner(cfg, release_memory=None, on_record=None):
         announce=announce,
         release_memory=release_memory,
         on_record=on_record,
+        ship_adapters=lora and cfg.model.lora.ship == "adapter",
     )
     return learner, params
 

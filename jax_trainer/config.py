@@ -40,6 +40,9 @@ class LoraConfig(Section):
     """Projections to adapt, by the names users know: q, k, v, o, gate, up, down."""
     seed: int = 0
     """Seed of the adapters' A matrices (B starts at zero, so a fresh adapter leaves the base unchanged)."""
+    ship: Literal["merged", "adapter"] = "merged"
+    """What each version after 0 is on the wire: the merged model, or the adapter alone (workers and validators
+    merge it into version 0 by the merge contract)."""
 
     @field_validator("targets")
     @classmethod

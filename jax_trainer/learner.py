@@ -49,12 +49,15 @@ class Learner:
         progress: bool = True,
         release_memory: Callable[[], int] | None = None,
         on_record: Callable[[dict], None] | None = None,
+        ship_adapters: bool = False,
     ):
         """Of `config` the loop reads `steps`, `export_interval`, `checkpoint_interval`, `export_dtype` and
         `batch_timeout_s`; `trainer` and `source` were built from the rest of it. `release_memory` (e.g.
         `jax_trainer.host.release_freed_memory` when freed memory is not retained) runs after every step and
         export, so that what those freed is not held until the next step. `on_record` gets each step's
-        metrics.jsonl record after it is written (`intellect.metrics.WandbSink.log` with W&B enabled)."""
+        metrics.jsonl record after it is written (`intellect.metrics.WandbSink.log` with W&B enabled).
+        `ship_adapters` (LoRA's `ship = "adapter"`): every version after 0 is written as the adapter alone, in
+        `weights/` (what SHARDCAST carries), applying to version 0."""
         self.trainer = trainer
         self.source = source
         self.run_dir = Path(run_dir)
@@ -68,6 +71,10 @@ class Learner:
         self.weights_dir = self.run_dir / "weights"
         self.adapters_dir = self.run_dir / "adapters"
         self.base_digest = None
+        self.ship_adapters = ship_adapters
+        if ship_adapters and trainer.lora is None:
+            raise ValueError("ship_adapters: the trainer has no LoRA adapters to ship")
+        self._shipped_base: str | None = None  # model_digest of weights/v000000, the base shipped adapters name
         if trainer.lora is not None:
             from bridge.weights import model_digest
 
@@ -88,7 +95,9 @@ class Learner:
     def export(self, state: TrainState) -> Path:
         version = _scalar(state.step)
         out = self.weights_dir / f"v{version:06d}"
-        if not _on_all_processes((out / "STABLE").exists()):
+        if self.ship_adapters and version > 0:
+            self._ship_adapter(state, version, out)
+        elif not _on_all_processes((out / "STABLE").exists()):
             t0 = time.perf_counter()
             export_hf(
                 self.trainer.model(state.params),
@@ -98,7 +107,7 @@ class Learner:
                 dtype=self.config.export_dtype,
             )
             log.info("exported version %d to %s in %.1f s", version, out, time.perf_counter() - t0)
-        if self.base_digest is not None:
+        if self.base_digest is not None and not self.ship_adapters:
             self._export_adapter(state, version)
         self._release()
         if self.announce is not None and self.is_writer:
@@ -121,6 +130,29 @@ class Learner:
             )
             log.info("exported adapter %d to %s in %.2f s", version, out, time.perf_counter() - t0)
         return out
+
+    def _ship_adapter(self, state: TrainState, version: int, out: Path) -> None:
+        """Version `version` as the adapter alone at `out`, naming version 0 (the base in the export dtype)."""
+        from bridge.weights import model_digest
+        from jax_trainer.models.hf import export_adapter
+
+        if _on_all_processes((out / "STABLE").exists()):
+            return
+        if self._shipped_base is None:
+            base = self.weights_dir / "v000000"
+            if not _on_all_processes((base / "STABLE").exists()):
+                raise FileNotFoundError(f"{base}: shipped adapters apply to version 0, which this run no longer has")
+            self._shipped_base = model_digest(base) if self.is_writer else ""
+        t0 = time.perf_counter()
+        export_adapter(
+            self.trainer.model(state.params),
+            out,
+            version=version,
+            base_digest=self._shipped_base,
+            dtype=self.config.export_dtype,
+            base_version=0,
+        )
+        log.info("exported version %d as its adapter to %s in %.2f s", version, out, time.perf_counter() - t0)
 
     def _release(self) -> None:
         if self.release_memory is not None:

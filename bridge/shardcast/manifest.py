@@ -59,6 +59,7 @@ class Manifest:
     raw: bytes  # the exact bytes, as served and stored
     deltas: tuple[DeltaEntry, ...] = ()
     part_size: int | None = None  # set when every file lists its part hashes (`FileEntry.parts`)
+    base_version: int | None = None  # a LoRA adapter version: the full version it applies to (kept beside it)
     by_name: dict[str, FileEntry] = field(init=False, repr=False, compare=False)
     served: dict[str, FileEntry] = field(init=False, repr=False, compare=False)  # files and deltas by name
 
@@ -175,7 +176,15 @@ def parse_manifest(
     if doc.get("total_size") != total:
         raise ManifestError(f"{where}: field 'total_size' is {doc.get('total_size')!r} but the files add up to {total}")
     deltas = _parse_deltas(doc.get("deltas", []), where, declared, {e.name: e for e in entries}, max_total)
-    return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas), part_size)
+    base_version = doc.get("base_version")
+    if base_version is not None:
+        try:
+            base_version = check_version(base_version, f"{where}: field 'base_version'")
+        except ShardcastError as e:
+            raise ManifestError(str(e)) from None
+        if base_version >= declared:
+            raise ManifestError(f"{where}: base_version {base_version} is not older than version {declared}")
+    return Manifest(declared, tuple(entries), total, bytes(raw), tuple(deltas), part_size, base_version)
 
 
 def _part_size(doc: dict, where: str) -> int | None:

@@ -221,6 +221,8 @@ class VersionStore:
         latest = self.advertised.get(self.latest) if self.advertised else None
         bases = {d.base for d in latest.deltas} if latest is not None else set()
         kept = retained(self.advertised, self.keep, self.keep_anchor, bases=bases)
+        if latest is not None and latest.base_version in self.advertised:  # a LoRA adapter's base stays beside it
+            kept.add(latest.base_version)
         for version in sorted(set(self.advertised) - kept):
             self.retiring[version] = self.advertised.pop(version)
             self._last_access[version] = time.monotonic()

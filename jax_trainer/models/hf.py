@@ -357,6 +357,7 @@ def export_adapter(
     base_digest: str,
     base_model: str = "",
     dtype="float32",
+    base_version: int | None = None,
 ) -> ExportResult | None:
     """Write `model`'s LoRA adapters as a PEFT adapter directory (`bridge.adapters`: `adapter_config.json`,
     `adapter_model.safetensors`, a manifest naming the base by `base_digest`); None on process > 0."""
@@ -375,4 +376,5 @@ def export_adapter(
         base_digest=base_digest,
         dtype=dtype,
         writer=jax.process_index() == 0,
+        base_version=base_version,
     )
