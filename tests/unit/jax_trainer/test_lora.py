@@ -307,3 +307,18 @@ def test_a_worker_merges_the_bytes_the_learner_merged(base_dir, tmp_path):
     config_path.write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(WeightsError, match="adapter_config.json: size .* manifest says"):  # it guards each file
         merge_adapter(base_dir, tmp_path / "adapter", tmp_path / "y", version=1)
+
+
+def test_the_kl_reference_of_adapters_is_their_base(base_dir):
+    """kl_coef > 0 with LoRA: the reference is the base (the adapters at zero), not the policy of the batch's start:
+    0 at the first step (B = 0: the policy is the base), above 0 at the second."""
+    spec = LoraSpec(rank=4, alpha=8.0, targets=ALL)
+    mesh = make_mesh()
+    model = load_hf(base_dir, mesh=mesh, lora=spec)
+    loss = LossConfig(tis_cap=2.0, kl_coef=0.1)
+    trainer = GRPOTrainer(model, mesh, loss, OptimConfig(lr=1e-2, warmup_steps=0), TrainerConfig())
+    state = trainer.init_state(trainable(model))
+    batch = trainer.device_batch(InMemorySource(rollouts, rows=4, seq_len=64, async_level=10).next(0).packed)
+    state, first = trainer.step(state, batch)
+    state, second = trainer.step(state, batch)
+    assert abs(float(first["kl_ref"])) < 1e-7 < 1e-5 < float(second["kl_ref"])
