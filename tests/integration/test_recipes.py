@@ -138,8 +138,14 @@ def test_recipe_trains_two_steps_and_exports(recipe, tiny_model, tmp_path):
     exported = sorted(p.name for p in (tmp_path / "weights").iterdir())
     assert exported[-1] == f"v{trained[-1]['step']:06d}", exported
     assert (tmp_path / "weights" / exported[-1] / "STABLE").exists()
-    if cfg.model.lora is not None:  # the adapter alone beside the merged version, naming the base it needs
-        from bridge.adapters import verify_adapter
+    if cfg.model.lora is not None:  # the adapter alone, naming the base it needs: beside the merged version, or
+        from bridge.adapters import verify_adapter  # in its place (ship = "adapter", on version 0)
         from bridge.weights import model_digest
 
-        verify_adapter(tmp_path / "adapters" / exported[-1], model_digest(base))
+        if cfg.model.lora.ship == "adapter":
+            manifest = verify_adapter(
+                tmp_path / "weights" / exported[-1], model_digest(tmp_path / "weights" / "v000000")
+            )
+            assert manifest["base_version"] == 0
+        else:
+            verify_adapter(tmp_path / "adapters" / exported[-1], model_digest(base))

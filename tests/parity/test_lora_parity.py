@@ -1,5 +1,5 @@
-"""`intellect parity --adapter`: JAX's LoRA layers, transformers + PEFT and vLLM's LoRA kernels agree on a base
-plus adapter; a perturbed adapter on one side fails the check."""
+"""`intellect parity --adapter`: JAX's LoRA layers, transformers + PEFT and vLLM on the merged weights agree on a
+base plus adapter; a perturbed adapter on one side fails the check."""
 
 from __future__ import annotations
 
