@@ -26,9 +26,12 @@ SOURCE = "adapter-manifest.sha256"  # beside a merged directory: the adapter man
 
 
 def adapter_manifest(version_dir: Path) -> dict | None:
-    """The manifest of an adapter version, None for a full one."""
-    manifest = json.loads((Path(version_dir) / MANIFEST_FILE).read_text())
-    return manifest if manifest.get("kind") == KIND else None
+    """The manifest of an adapter version, None for a full one (a model directory without a manifest too)."""
+    path = Path(version_dir) / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    return manifest if isinstance(manifest, dict) and manifest.get("kind") == KIND else None
 
 
 def servable(version_dir: Path, weights_dir: Path, fetch_base: Callable[[int], Path]) -> Path:
