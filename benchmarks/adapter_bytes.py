@@ -24,13 +24,10 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from bridge.weights import DTYPES, model_digest
 from jax_trainer.models import ModelConfig, load_hf, tensor_specs
-from jax_trainer.models.hf import export_adapter, export_hf
+from jax_trainer.models.hf import export_adapter, export_hf, with_random_b
 from jax_trainer.models.lora import TARGETS, LoraSpec, peft_specs
 from jax_trainer.sharding import make_mesh
 
@@ -46,18 +43,6 @@ def counted(config: dict, spec: LoraSpec, dtype: str) -> dict:
     return {"model_bytes": full, "adapter_bytes": adapter, "ratio": round(full / adapter, 1)}
 
 
-def trained(model, seed: int = 0):
-    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    rng = np.random.default_rng(seed)
-
-    def draw(path, x):
-        if "lora_b" not in jax.tree_util.keystr(path):
-            return x
-        return jax.device_put(jnp.asarray(rng.normal(0, 1e-3, x.shape), x.dtype), x.sharding)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
-
-
 def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -71,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     spec = LoraSpec(args.rank, 2.0 * args.rank, tuple(TARGETS))
 
-    model = trained(load_hf(args.model, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), lora=spec))
+    model = with_random_b(load_hf(args.model, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), lora=spec), 1e-3)
     digest = model_digest(args.model)
     times = {"merged": [], "adapter": []}
     sizes = {}

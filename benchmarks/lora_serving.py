@@ -32,26 +32,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_adapter(model_dir: Path, out: Path, rank: int) -> Path:
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from bridge.weights import model_digest
     from jax_trainer.models import load_hf
-    from jax_trainer.models.hf import export_adapter
+    from jax_trainer.models.hf import export_adapter, with_random_b
     from jax_trainer.models.lora import TARGETS, LoraSpec
     from jax_trainer.sharding import make_mesh
 
     spec = LoraSpec(rank, 2.0 * rank, tuple(TARGETS))
     model = load_hf(model_dir, mesh=make_mesh(fsdp=1, devices=jax.devices()[:1]), lora=spec)
-    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    rng = np.random.default_rng(0)
-
-    def draw(path, x):
-        if "lora_b" not in jax.tree_util.keystr(path):
-            return x
-        return jax.device_put(jnp.asarray(rng.normal(0, 1e-3, x.shape), x.dtype), x.sharding)
-
-    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
+    model = with_random_b(model, 1e-3)
     export_adapter(model, out, version=1, base_digest=model_digest(model_dir))
     return out
 

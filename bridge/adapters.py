@@ -174,10 +174,6 @@ def write_adapter(
     return ExportResult(out_dir, sum(v.nbytes for _, v in tensors), len(files))
 
 
-def is_adapter(directory: str | Path) -> bool:
-    return (Path(directory) / CONFIG_FILE).is_file() or (Path(directory) / WEIGHTS_FILE).is_file()
-
-
 def verify_adapter(directory: str | Path, base_digest: str | None = None) -> dict:
     """The manifest of a complete, intact adapter version for the base named `base_digest` (None: any base);
     WeightsError naming what is wrong otherwise."""

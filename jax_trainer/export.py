@@ -136,12 +136,14 @@ def export_params(
     max_shard_bytes: int = 2 << 30,
     fsync: bool = True,
     delta_bases: Sequence[tuple[int, Path]] | None = None,
+    host_value: Callable[[TensorSpec], np.ndarray] | None = None,
 ) -> ExportResult | None:
     """Write `arrays` as a complete HF directory at `out_dir` (`bridge.weights.write_version`, which documents
-    the other arguments); None on process > 0."""
+    the other arguments); None on process > 0. `host_value`: each spec's tensor in HF layout and the export
+    dtype, whole on this host (default: `host_values(arrays, specs, dtype)`)."""
     return write_version(
         specs,
-        host_values(arrays, specs, dtype),
+        host_value or host_values(arrays, specs, dtype),
         out_dir,
         version=version,
         writer=jax.process_index() == 0,

@@ -74,7 +74,7 @@ class Learner:
         self.ship_adapters = ship_adapters
         if ship_adapters and trainer.lora is None:
             raise ValueError("ship_adapters: the trainer has no LoRA adapters to ship")
-        self._shipped_base: str | None = None  # model_digest of weights/v000000, the base shipped adapters name
+        self._shipped_base_digest: str | None = None  # model_digest of weights/v000000 (`_shipped_base`)
         if trainer.lora is not None:
             from bridge.weights import model_digest
 
@@ -93,66 +93,64 @@ class Learner:
         return state
 
     def export(self, state: TrainState) -> Path:
+        from jax_trainer.models.hf import export_adapter
+
         version = _scalar(state.step)
         out = self.weights_dir / f"v{version:06d}"
-        if self.ship_adapters and version > 0:
-            self._ship_adapter(state, version, out)
-        elif not _on_all_processes((out / "STABLE").exists()):
-            t0 = time.perf_counter()
-            export_hf(
-                self.trainer.model(state.params),
+        model = self.trainer.model(state.params)
+        dtype = self.config.export_dtype
+        if self.ship_adapters and version > 0:  # the adapter alone, applying to version 0
+            self._write_once(
                 out,
-                version=version,
-                source_dir=self.base_model_dir,
-                dtype=self.config.export_dtype,
+                f"version {version} as its adapter",
+                lambda: export_adapter(
+                    model, out, version=version, base_digest=self._shipped_base(), dtype=dtype, base_version=0
+                ),
             )
-            log.info("exported version %d to %s in %.1f s", version, out, time.perf_counter() - t0)
-        if self.base_digest is not None and not self.ship_adapters:
-            self._export_adapter(state, version)
+        else:
+            self._write_once(
+                out,
+                f"version {version}",
+                lambda: export_hf(model, out, version=version, source_dir=self.base_model_dir, dtype=dtype),
+            )
+            if self.base_digest is not None:  # LoRA: the adapter beside the merged version
+                adapter = self.adapters_dir / f"v{version:06d}"
+                base_model = str(self.base_model_dir.absolute())
+                self._write_once(
+                    adapter,
+                    f"adapter {version}",
+                    lambda: export_adapter(
+                        model,
+                        adapter,
+                        version=version,
+                        base_digest=self.base_digest,
+                        base_model=base_model,
+                        dtype=dtype,
+                    ),
+                )
         self._release()
         if self.announce is not None and self.is_writer:
             self.announce(version, out)
         return out
 
-    def _export_adapter(self, state: TrainState, version: int) -> Path:
-        from jax_trainer.models.hf import export_adapter
-
-        out = self.adapters_dir / f"v{version:06d}"
-        if not _on_all_processes((out / "STABLE").exists()):
-            t0 = time.perf_counter()
-            export_adapter(
-                self.trainer.model(state.params),
-                out,
-                version=version,
-                base_digest=self.base_digest,
-                base_model=str(self.base_model_dir.absolute()),
-                dtype=self.config.export_dtype,
-            )
-            log.info("exported adapter %d to %s in %.2f s", version, out, time.perf_counter() - t0)
-        return out
-
-    def _ship_adapter(self, state: TrainState, version: int, out: Path) -> None:
-        """Version `version` as the adapter alone at `out`, naming version 0 (the base in the export dtype)."""
-        from bridge.weights import model_digest
-        from jax_trainer.models.hf import export_adapter
-
+    def _write_once(self, out: Path, what: str, write: Callable[[], object]) -> None:
+        """Run `write` unless `out` already holds a complete version (decided alike on every process)."""
         if _on_all_processes((out / "STABLE").exists()):
             return
-        if self._shipped_base is None:
+        t0 = time.perf_counter()
+        write()
+        log.info("exported %s to %s in %.2f s", what, out, time.perf_counter() - t0)
+
+    def _shipped_base(self) -> str:
+        """The digest of version 0 (the base in the export dtype), which shipped adapters name."""
+        if self._shipped_base_digest is None:
+            from bridge.weights import model_digest
+
             base = self.weights_dir / "v000000"
             if not _on_all_processes((base / "STABLE").exists()):
                 raise FileNotFoundError(f"{base}: shipped adapters apply to version 0, which this run no longer has")
-            self._shipped_base = model_digest(base) if self.is_writer else ""
-        t0 = time.perf_counter()
-        export_adapter(
-            self.trainer.model(state.params),
-            out,
-            version=version,
-            base_digest=self._shipped_base,
-            dtype=self.config.export_dtype,
-            base_version=0,
-        )
-        log.info("exported version %d as its adapter to %s in %.2f s", version, out, time.perf_counter() - t0)
+            self._shipped_base_digest = model_digest(base) if self.is_writer else ""
+        return self._shipped_base_digest
 
     def _release(self) -> None:
         if self.release_memory is not None:

@@ -272,15 +272,32 @@ def export_hf(
     )
 
 
+def with_random_b(model: Decoder, std: float, seed: int = 0) -> Decoder:
+    """`model` with every adapter's B drawn from normal(0, `std`) (numpy's generator of `seed`, in the adapters'
+    path order), A kept: a fresh adapter (B = 0) leaves the outputs unchanged, this one moves them, as a trained
+    one does (for tests and benchmarks of adapters)."""
+    import numpy as np
+
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        if "lora_b" not in jax.tree_util.keystr(path):
+            return x
+        return jax.device_put(jnp.asarray(rng.normal(0, std, x.shape), x.dtype), x.sharding)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
+
+
 def _export_merged(model: Decoder, out_dir, version, source_dir, hf_config, dtype, max_shard_bytes, fsync):
     """`export_hf` of a model with adapters: each adapted kernel gathered in float32 with its A and B, merged on
     the host by `bridge.adapters.merge_weight` (what workers and validators compute), then cast."""
     from bridge.adapters import PEFT_PREFIX, merge_weight
-    from bridge.weights import resolve_dtype, write_version
+    from bridge.weights import resolve_dtype
     from jax_trainer.export import host_values
 
-    specs = tensor_specs(model.cfg)
-    base = host_values(model_arrays(model), specs, "float32")
+    specs, arrays = tensor_specs(model.cfg), model_arrays(model)
+    base = host_values(arrays, specs, "float32")
     lora_specs = {s.hf_name: s for s in lora_lib.peft_specs(model.cfg, model.lora)}
     adapters = host_values(adapter_arrays(model), list(lora_specs.values()), "float32")
     np_dtype = resolve_dtype(dtype)
@@ -293,17 +310,17 @@ def _export_merged(model: Decoder, out_dir, version, source_dir, hf_config, dtyp
             w = merge_weight(w, adapters(a_spec), adapters(b_spec), model.lora.scaling)
         return w.astype(np_dtype)
 
-    return write_version(
+    return export_params(
+        arrays,
         specs,
-        host_value,
         out_dir,
         version=version,
-        writer=jax.process_index() == 0,
         source_dir=source_dir,
         hf_config=hf_config,
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
         fsync=fsync,
+        host_value=host_value,
     )
 
 

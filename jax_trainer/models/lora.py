@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from bridge.adapters import PEFT_PREFIX
 from bridge.weights import TensorSpec
 from jax_trainer.config import LORA_TARGETS
 from jax_trainer.models.config import ModelConfig
@@ -33,7 +34,6 @@ TARGETS: dict[str, tuple[str, str, str]] = {
     "down": ("mlp", "down_proj", "mlp.down_proj"),
 }
 assert tuple(TARGETS) == LORA_TARGETS
-PEFT_PREFIX = "base_model.model."  # PEFT's key prefix in front of the transformers module path (bridge.adapters)
 
 
 class LoraError(ValueError):

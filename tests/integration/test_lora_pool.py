@@ -6,11 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 from test_worker_validator import Pool, wait_until
 
 from bridge.protocol import load_or_create_key, public_key_hex
@@ -23,20 +19,12 @@ def export_adapter_version(model_dir: Path, weights: Path, version: int, scale: 
     """Version 0 (the base) and `version` as an adapter on it whose B is drawn at random (`scale`: large enough that
     the adapter moves the sampled tokens' logprobs far beyond the validator's tolerance)."""
     from jax_trainer.models import export_hf, load_hf
-    from jax_trainer.models.hf import export_adapter
+    from jax_trainer.models.hf import export_adapter, with_random_b
     from jax_trainer.models.lora import LoraSpec
 
     model = load_hf(model_dir, lora=LoraSpec(8, 16.0, ("q", "v", "o", "up", "down")))
     export_hf(model, weights / "v000000", version=0, source_dir=model_dir, dtype="float32")
-    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    rng = np.random.default_rng(version)
-
-    def draw(path, x):
-        if "lora_b" not in jax.tree_util.keystr(path):
-            return x
-        return jax.device_put(jnp.asarray(rng.normal(0, scale, x.shape), x.dtype), x.sharding)
-
-    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
+    model = with_random_b(model, scale, version)
     out = weights / f"v{version:06d}"
     export_adapter(model, out, version=version, base_digest=model_digest(weights / "v000000"), base_version=0)
     return out

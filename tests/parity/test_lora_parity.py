@@ -3,11 +3,7 @@ base plus adapter; a perturbed adapter on one side fails the check."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from flax import nnx
 
 from bridge.weights import model_digest
 from intellect.parity import check_parity
@@ -16,19 +12,11 @@ from intellect.parity import check_parity
 def _adapter(base, out, seed: int = 1, rank: int = 8, scale: float = 0.05):
     """A trained-looking adapter (B drawn at random) of `base`, written by the learner's export."""
     from jax_trainer.models import load_hf
-    from jax_trainer.models.hf import export_adapter
+    from jax_trainer.models.hf import export_adapter, with_random_b
     from jax_trainer.models.lora import LoraSpec
 
     model = load_hf(base, lora=LoraSpec(rank, 2.0 * rank, ("q", "k", "v", "o", "gate", "up", "down")))
-    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    rng = np.random.default_rng(seed)
-
-    def draw(path, x):
-        if "lora_b" not in jax.tree_util.keystr(path):
-            return x
-        return jax.device_put(jnp.asarray(rng.normal(0, scale, x.shape), x.dtype), x.sharding)
-
-    model = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
+    model = with_random_b(model, scale, seed)
     export_adapter(model, out, version=1, base_digest=model_digest(base))
     return out
 

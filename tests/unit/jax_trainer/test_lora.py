@@ -14,7 +14,7 @@ from flax import nnx
 from bridge.adapters import verify_adapter
 from bridge.weights import WeightsError, model_digest
 from jax_trainer.config import LossConfig, OptimConfig, TrainerConfig
-from jax_trainer.models import load_hf
+from jax_trainer.models import hf, load_hf
 from jax_trainer.models.hf import adapter_arrays, export_adapter, export_hf, model_arrays
 from jax_trainer.models.lora import LoraError, LoraSpec, spec_from_peft_config
 from jax_trainer.sharding import make_mesh
@@ -50,15 +50,7 @@ def base_dir(tmp_path_factory):
 
 def with_random_b(model, seed: int = 1, scale: float = 0.05):
     """`model` with every adapter's B drawn at random (a fresh adapter's B is zero: it would show nothing)."""
-    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
-    rng = np.random.default_rng(seed)
-
-    def draw(path, x):
-        if "lora_b" not in jax.tree_util.keystr(path):
-            return x
-        return jax.device_put(jnp.asarray(rng.normal(0, scale, x.shape), x.dtype), x.sharding)
-
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, adapters), rest)
+    return hf.with_random_b(model, scale, seed)
 
 
 def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
