@@ -68,13 +68,13 @@ def _add_adapters(module: nnx.Module, cfg: ModelConfig, lora: lora_lib.LoraSpec 
 
 
 def project(module: nnx.Module, target: str, x: jax.Array, kernel: jax.Array, contract: int, dtype) -> jax.Array:
-    """x through a projection's kernel (`dense`), plus its adapter's (alpha / rank) * ((x A) B) when it has one."""
-    y = dense(x, kernel, contract, dtype)
-    if target in module.lora_targets:
-        a_name, b_name = lora_lib.param_names(target)
-        low = dense(x, getattr(module, a_name)[...], contract, dtype)
-        y = y + dense(low, getattr(module, b_name)[...], 1, dtype) * jnp.asarray(module.lora_scaling, dtype)
-    return y
+    """x through a projection's kernel (`kernels.dense`), with its adapter's (alpha / rank) (x A) B when it has one
+    (`kernels.lora_dense`)."""
+    if target not in module.lora_targets:
+        return dense(x, kernel, contract, dtype)
+    a_name, b_name = lora_lib.param_names(target)
+    a, b = getattr(module, a_name)[...], getattr(module, b_name)[...]
+    return kernels.lora_dense(x, kernel, a, b, contract, dtype, float(module.lora_scaling))
 
 
 class RMSNorm(nnx.Module):

@@ -314,3 +314,35 @@ def test_the_kl_reference_of_adapters_is_their_base(base_dir):
     state, first = trainer.step(state, batch)
     state, second = trainer.step(state, batch)
     assert abs(float(first["kl_ref"])) < 1e-7 < 1e-5 < float(second["kl_ref"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("contract", [1, 2])
+def test_lora_kernel_matches_the_formula_and_its_autodiff(dtype, contract):
+    """`kernels.lora_dense` (merged for the contraction in float32, factored below) against jax's own gradient
+    of x W + s (x A) B written with einsum in float32; the kernel's gradient included (a full-model step uses it)."""
+    from jax_trainer.kernels import lora_dense
+
+    ins, outs = ((24,), (3, 8)) if contract == 1 else ((3, 8), (24,))
+    rank, scale = 4, 2.5
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (2, 5, *ins))
+    w = jax.random.normal(keys[1], (*ins, *outs)) * 0.2
+    a = jax.random.normal(keys[2], (*ins, rank)) * 0.2
+    b = jax.random.normal(keys[3], (rank, *outs)) * 0.2
+    g = jax.random.normal(keys[4], (2, 5, *outs))
+
+    def formula(x, w, a, b):
+        xf, wf, af = x.reshape(10, -1), w.reshape(-1, int(np.prod(outs))), a.reshape(-1, rank)
+        y = xf @ wf + scale * (xf @ af) @ b.reshape(rank, -1)
+        return y.reshape(2, 5, *outs)
+
+    def ours(x, w, a, b):
+        return lora_dense(x, w, a, b, contract, dtype, scale).astype(jnp.float32)
+
+    want_y, want_vjp = jax.vjp(formula, x, w, a, b)
+    got_y, got_vjp = jax.vjp(ours, x, w, a, b)
+    tol = 1e-5 if dtype == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got_y, want_y, rtol=tol, atol=tol * float(jnp.abs(want_y).max()))
+    for got, want in zip(got_vjp(g), want_vjp(g)):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(jnp.abs(want).max()))
