@@ -15,6 +15,7 @@ Figures come from the lines each role logs:
   (its SHARDCAST download);
 - validator: "verdict on B posted in X s" (prefill, TOPLOC, sampler replay and reward checks of one batch) and
   "fetched vN: ... in X s";
+- both: "merged adapter version V into version 0 in X s" (a version shipped as a LoRA adapter, merged locally);
 - learner: metrics rows (step_s: the step, the first one's compile included; wait_s: waiting for batches) and
   "exported version V ... in X s" (the Hugging Face export SHARDCAST serves);
 - eval rows of metrics.jsonl (seconds per held-out evaluation).
@@ -37,6 +38,7 @@ _PATTERNS = {
     "validation": re.compile(r"verdict on \S+ posted in ([\d.]+) s"),
     "validator_fetch": re.compile(r"fetched v\d+: [\d.]+ MiB in ([\d.]+) s"),
     "export": re.compile(r"exported version \d+ to .* in ([\d.]+) s"),
+    "adapter_merge": re.compile(r"merged adapter version \d+ into version \d+ in ([\d.]+) s"),
 }
 
 
@@ -74,14 +76,20 @@ def timeline(run_dir: Path) -> dict:
     stages: dict[str, list[float]] = {}
     for log in sorted((run_dir / "logs").glob("*.log")):
         for stage, values in log_durations(log).items():
+            if stage == "adapter_merge":  # both nodes log it: counted per role
+                stage = ("validator_" if log.stem.startswith("validator") else "worker_") + stage
             stages.setdefault(stage, []).extend(values)
     stages["training"] = [r["step_s"] for r in learner]  # the step itself (the first one compiles)
     stages["learner_waiting"] = [r.get("wait_s", 0.0) for r in learner]
     stages["evaluation"] = [r["seconds"] for r in evals]
     per_step = {k: round(sum(v) / steps, 2) for k, v in sorted(stages.items())}
     busy = {
-        "worker": sum(sum(stages.get(k, [])) for k in ("generation", "worker_engine_load", "worker_fetch")) / wall,
-        "validator": sum(sum(stages.get(k, [])) for k in ("validation", "validator_fetch")) / wall,
+        "worker": sum(
+            sum(stages.get(k, [])) for k in ("generation", "worker_engine_load", "worker_fetch", "worker_adapter_merge")
+        )
+        / wall,
+        "validator": sum(sum(stages.get(k, [])) for k in ("validation", "validator_fetch", "validator_adapter_merge"))
+        / wall,
         "learner": sum(sum(stages.get(k, [])) for k in ("training", "export")) / wall,
         "evaluation": sum(stages["evaluation"]) / wall,
     }

@@ -237,6 +237,15 @@ def run(args: argparse.Namespace) -> int:
     if unknown or len(engines) < 2:
         print(f"parity: --engines needs two or more of {', '.join(ENGINES)}; got {args.engines!r}", file=sys.stderr)
         return 2
+    if args.adapter is not None:
+        from bridge.adapters import verify_adapter
+        from bridge.weights import WeightsError
+
+        try:
+            verify_adapter(args.adapter)
+        except WeightsError as e:
+            print(f"parity: --adapter: {e}", file=sys.stderr)
+            return 2
     with _stdout_to_stderr():  # engines log to stdout; keep it for the report (`--json` must parse)
         report = check_parity(
             args.model_dir,

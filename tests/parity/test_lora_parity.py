@@ -32,3 +32,14 @@ def test_parity_with_an_adapter_across_jax_hf_vllm_and_a_perturbed_one_fails(tin
     perturbed = _adapter(base, tmp_path / "perturbed", seed=2)
     bad = check_parity(base, engines=("jax", "hf"), dtype="float32", adapter=adapter, jax_adapter=perturbed)
     assert not bad.ok and bad.pairs[0].max_abs_diff > 10 * bad.pairs[0].tolerance
+
+
+def test_an_adapter_directory_without_its_config_is_named(tiny_model, tmp_path, capsys):
+    from intellect.cli import main
+
+    base = tiny_model(family="llama", tie_embeddings=False)
+    adapter = _adapter(base, tmp_path / "adapter")
+    (adapter / "adapter_config.json").unlink()
+    assert main(["parity", str(base), "--engines", "jax,hf", "--adapter", str(adapter)]) == 2
+    err = capsys.readouterr().err
+    assert f"parity: --adapter: {adapter}: not an adapter version: adapter_config.json is missing" in err
