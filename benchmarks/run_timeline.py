@@ -10,14 +10,14 @@ with fewer cores than roles the busy shares add up to more than 1: the sum over 
 of the wall clock that role kept a core busy, and the largest one is the pipeline's bottleneck.
 
 Figures come from the lines each role logs:
-- worker: "assignment N (version V): S samples, T tokens in X s" (generation, rewards and TOPLOC proofs),
-  "engine: version V from ... in X s" (loading a new policy into vLLM) and "fetched version V: ... in X s"
-  (its SHARDCAST download);
+- worker: "assignment N (version V): S samples, T sampled tokens in X s" (generation, rewards and TOPLOC
+  proofs), "engine: version V from ... in X s" and "engine: now at version V (swap X s)" (loading a policy into
+  vLLM) and "fetched version V: ... in X s" (its SHARDCAST download);
 - validator: "verdict on B posted in X s" (prefill, TOPLOC, sampler replay and reward checks of one batch) and
   "fetched vN: ... in X s";
 - both: "merged adapter version V into version 0 in X s" (a version shipped as a LoRA adapter, merged locally);
 - learner: metrics rows (step_s: the step, the first one's compile included; wait_s: waiting for batches) and
-  "exported version V ... in X s" (the Hugging Face export SHARDCAST serves);
+  "exported version V ... in X s" (the export SHARDCAST serves; with LoRA also the adapter beside it);
 - eval rows of metrics.jsonl (seconds per held-out evaluation).
 """
 
@@ -32,12 +32,14 @@ from pathlib import Path
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 _PATTERNS = {
-    "generation": re.compile(r"assignment \d+ \(version \d+\): \d+ samples, \d+ tokens in ([\d.]+) s"),
-    "worker_engine_load": re.compile(r"engine: version \d+ from .* in ([\d.]+) s"),
+    "generation": re.compile(r"assignment \d+ \(version \d+\): \d+ samples, \d+ (?:sampled )?tokens in ([\d.]+) s"),
+    "worker_engine_load": re.compile(
+        r"engine: (?:version \d+ from .* in ([\d.]+) s|now at version \d+ \(swap ([\d.]+) s\))"
+    ),
     "worker_fetch": re.compile(r"fetched version \d+: [\d.]+ MiB in ([\d.]+) s"),
     "validation": re.compile(r"verdict on \S+ posted in ([\d.]+) s"),
     "validator_fetch": re.compile(r"fetched v\d+: [\d.]+ MiB in ([\d.]+) s"),
-    "export": re.compile(r"exported version \d+ to .* in ([\d.]+) s"),
+    "export": re.compile(r"exported (?:version|adapter) \d+ (?:as its adapter )?to .* in ([\d.]+) s"),
     "adapter_merge": re.compile(r"merged adapter version \d+ into version \d+ in ([\d.]+) s"),
 }
 
@@ -57,7 +59,7 @@ def log_durations(path: Path) -> dict[str, list[float]]:
             for stage, pattern in _PATTERNS.items():
                 m = pattern.search(line)
                 if m:
-                    found.setdefault(stage, []).append(float(m.group(1)))
+                    found.setdefault(stage, []).append(float(next(g for g in m.groups() if g is not None)))
     return found
 
 
