@@ -76,15 +76,27 @@ def lora_scaling(config: dict, where: str = CONFIG_FILE) -> float:
     return float(alpha) / r
 
 
+_MERGE_BLOCK = 1 << 16  # float64 entries per block of merge_weight's rows (512 KiB)
+
+
 def merge_weight(w: np.ndarray, a: np.ndarray, b: np.ndarray, scaling: float) -> np.ndarray:
     """W + s * (B @ A) in float32 by the merge contract (module docstring): W [out, in], A [r, in], B [out, r]."""
     if a.ndim != 2 or b.ndim != 2 or w.shape != (b.shape[0], a.shape[1]) or a.shape[0] != b.shape[1]:
         raise WeightsError(f"merge: W {list(w.shape)}, A {list(a.shape)} and B {list(b.shape)} do not fit W + B @ A")
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    delta = np.zeros(w.shape, np.float64)
-    for k in range(a.shape[0]):
-        delta += np.multiply.outer(b64[:, k], a64[k])
-    return (w.astype(np.float64) + np.float64(scaling) * delta).astype(np.float32)
+    out = np.empty(w.shape, np.float32)
+    rows = max(1, _MERGE_BLOCK // w.shape[1])  # a block of rows at a time: the float64 sums stay in cache
+    product = np.empty((rows, w.shape[1]), np.float64)
+    for i in range(0, w.shape[0], rows):
+        j = min(i + rows, w.shape[0])
+        delta, p = np.zeros((j - i, w.shape[1]), np.float64), product[: j - i]
+        for k in range(a.shape[0]):
+            np.multiply(b64[i:j, k, None], a64[k][None, :], out=p)
+            delta += p
+        delta *= np.float64(scaling)
+        delta += w[i:j]
+        out[i:j] = delta
+    return out
 
 
 def adapter_pairs(names, where: str = WEIGHTS_FILE) -> dict[str, tuple[str, str]]:
