@@ -17,17 +17,29 @@ the samples the former signed-mean bound (no token forgiven) would have rejected
     .venv/bin/python benchmarks/honest_calibration.py --model runs/smollm2-135m --lengths 1:32,2:32,3:16,...
 
 With `--model`, the one policy is that checkpoint (e.g. SmolLM2-135M-Instruct from `intellect import-gguf`), its
-prompts arithmetic questions in its chat template.
+prompts arithmetic questions in its chat template. With `--adapter DIR` as well (a PEFT adapter version on that
+checkpoint, `bridge.adapters`), the policy is a LoRA version as a `ship = "adapter"` pool in each dtype serves
+it: weights/ is laid out as a learner with that export dtype writes it (v000000 the base, v000001 the adapter,
+both in the dtype), and the worker and the validator each merge v000001 into v000000 in their own directory
+(`gpu_workers.adapters.servable`, as they do); the JSON adds how far the adapter moves the sampled tokens'
+logprobs from the base's (the validator's prefill of each, at T = 1).
+
+`--calibration FILE` judges the dtype it names with a calibration's tolerances (what `intellect calibrate` writes;
+the validator's start-up check of it against `--model`, the pool's model.path, must pass) and keeps its
+near-tie ledger (`[orchestrator] near_tie_rate` x tokens + `near_tie_slack`) over the accepted batches in order;
+other dtypes keep the defaults. `--temperatures` and `--top-ps` choose the settings (a calibration holds one).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
 import tempfile
 import time
+import tomllib
 import zlib
 from pathlib import Path
 
@@ -54,11 +66,88 @@ def _bucket(n: int) -> str:
     return "1-2" if n <= 2 else "3-8" if n <= 8 else "9+"
 
 
+def _adapter_pool(model: Path, adapter: Path, dtype: str, root: Path) -> tuple[Path, Path, Path]:
+    """(the base version, the worker's and the validator's served directories) of `adapter` shipped in `dtype`:
+    `root` holds weights/ as a learner with `export_dtype = dtype` and `ship = "adapter"` writes it (v000000 the
+    base `model`, v000001 the adapter naming v000000's digest, both in `dtype`), and each node merges v000001 into
+    v000000 under its own directory by `gpu_workers.adapters.servable`."""
+    from bridge.adapters import CONFIG_FILE, WEIGHTS_FILE, verify_adapter, write_adapter
+    from bridge.safetensors_io import SafetensorsFile
+    from bridge.weights import HFCheckpoint, TensorSpec, model_digest, resolve_dtype, write_version
+    from gpu_workers.adapters import servable
+
+    verify_adapter(adapter, model_digest(model))
+    np_dtype = resolve_dtype(dtype)
+    base, weights = HFCheckpoint(model), root / "weights"
+    specs = [TensorSpec.same((n,), n, base.array(n).shape) for n in sorted(base.names())]
+    write_version(
+        specs,
+        lambda s: np.asarray(base.array(s.hf_name)).astype(np_dtype),
+        weights / "v000000",
+        version=0,
+        source_dir=model,
+        dtype=dtype,
+    )
+    lora = SafetensorsFile(adapter / WEIGHTS_FILE)
+    write_adapter(
+        [TensorSpec.same((n,), n, info.shape) for n, info in lora.tensors.items()],
+        lambda s: np.asarray(lora.array(s.hf_name), np.float32).astype(np_dtype),
+        weights / "v000001",
+        version=1,
+        config=json.loads((adapter / CONFIG_FILE).read_text()),
+        base_digest=model_digest(weights / "v000000"),
+        dtype=dtype,
+        base_version=0,
+    )
+    served = [
+        servable(weights / "v000001", root / node, lambda v: weights / f"v{v:06d}") for node in ("worker", "validator")
+    ]
+    if model_digest(served[0]) != model_digest(served[1]):
+        raise RuntimeError(f"the worker's and the validator's merges differ: {served[0]} and {served[1]}")
+    return weights / "v000000", served[0], served[1]
+
+
+def _calibration(path: Path, model: Path) -> tuple[str, SamplingTolerance, dict]:
+    """(its dtype, the validator's tolerances, its [orchestrator] ledger) of a calibration fragment, after the
+    validator's start-up check of it against the pool's model `model` (SystemExit naming the problem)."""
+    from gpu_workers.calibration import calibration_problem
+    from gpu_workers.config import ValidatorConfig, WorkerConfig
+
+    fragment = tomllib.loads(path.read_text())
+    config = ValidatorConfig(**fragment["validator"])
+    ledger = fragment.get("orchestrator", {})
+    worker = WorkerConfig(dtype=config.calibrated_dtype or "bfloat16")
+    problem = calibration_problem(config, worker, model, ledger.get("near_tie_rate"))
+    if problem is not None:
+        raise SystemExit(f"--calibration {path}: {problem}")
+    names = [f.name for f in dataclasses.fields(SamplingTolerance) if f.name in ValidatorConfig.model_fields]
+    return worker.dtype, SamplingTolerance(**{n: getattr(config, n) for n in names}), ledger
+
+
+def _token_logprobs(prefill, samples: list[Sample]) -> list[np.ndarray]:
+    """Each sample's completion tokens' log-softmax at T = 1 under `prefill`'s model (no completion: empty)."""
+    import torch
+
+    kept = [s for s in samples if len(s.completion_tokens)]
+    out = iter(prefill.run([(list(s.prompt_tokens), list(s.completion_tokens)) for s in kept]))
+    logprobs = []
+    for s in samples:
+        if not len(s.completion_tokens):
+            logprobs.append(np.zeros(0))
+            continue
+        logits = next(out).logits
+        tokens = torch.as_tensor(np.asarray(s.completion_tokens), dtype=torch.long)[:, None]
+        logprobs.append(torch.log_softmax(logits, -1).gather(-1, tokens)[:, 0].numpy())
+    return logprobs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="1:16,2:16,3:8,6:8,24:8,96:4,512:4", help="max_tokens:samples,...")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--policies", default="flat,peaked")
+    parser.add_argument("--temperatures", default="0.6,1.0", help="the settings' temperatures")
+    parser.add_argument("--top-ps", default="1.0,0.9", help="the settings' top-p values")
     parser.add_argument("--others", type=int, default=3, help="other requests generated beside each batch")
     parser.add_argument(
         "--model",
@@ -67,9 +156,29 @@ def main() -> int:
         help="a Hugging Face directory to calibrate instead of the tiny policies (one policy, 'model'; its chat "
         "template around arithmetic questions as the prompts)",
     )
+    parser.add_argument(
+        "--adapter",
+        type=Path,
+        default=None,
+        help="a LoRA adapter version on --model: the policy is it, merged into --model by each node as a "
+        "ship = 'adapter' pool in each dtype serves it",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="a fragment `intellect calibrate` wrote for --model: its dtype is judged with its tolerances and ledger",
+    )
     args = parser.parse_args()
+    if (args.adapter is not None or args.calibration is not None) and args.model is None:
+        parser.error("--adapter and --calibration need --model (the base, the pool's model.path)")
     lengths = _lengths(args.lengths)
     longest = max(limit for limit, _ in lengths)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    top_ps = [float(p) for p in args.top_ps.split(",")]
+    calibrated_dtype, calibrated, ledger = (
+        _calibration(args.calibration, args.model) if args.calibration is not None else (None, None, {})
+    )
 
     from gpu_workers.config import WorkerConfig
     from gpu_workers.engine import Engine
@@ -110,17 +219,24 @@ def main() -> int:
         },
     )
     old_rule = 0
-    tolerance = SamplingTolerance()
+    default_tolerance = SamplingTolerance()
     completion_lengths: list[int] = []
+    shifts: dict[str, list[np.ndarray]] = {}
+    ledgers: dict[str, dict] = {}
     try:
         for dtype in args.dtypes.split(","):
+            tolerance = calibrated if dtype == calibrated_dtype else default_tolerance
+            book = {"cost": 0.0, "tokens": 0, "strikes": 0, "worst_share_of_allowance": 0.0}
             for name in policies:
-                model = models[name]
+                model, base = models[name], None
+                if args.adapter is not None:
+                    base, model, judged = _adapter_pool(args.model, args.adapter, dtype, work / dtype)
                 engine = Engine(model, 0, WorkerConfig(dtype=dtype, verify_swaps=0), max_model_len=longest + 64)
-                prefill = Prefill(model, dtype=dtype, batch_tokens=4096)
+                prefill = Prefill(model if base is None else judged, dtype=dtype, batch_tokens=4096)
+                base_prefill = None if base is None else Prefill(base, dtype=dtype, batch_tokens=4096)
                 try:
-                    for temperature in (0.6, 1.0):
-                        for top_p in (1.0, 0.9):
+                    for temperature in temperatures:
+                        for top_p in top_ps:
                             row = {"dtype": dtype, "policy": name, "temperature": temperature, "top_p": top_p}
                             row |= {"samples": 0, "rejected_samples": 0, "batches": 0, "rejected_batches": 0}
                             for limit, count in lengths:
@@ -143,6 +259,7 @@ def main() -> int:
                                     stop_token_ids=stops,
                                     max_model_len=longest + 64,
                                     dtype=dtype,
+                                    tolerance=tolerance,
                                 )
                                 samples = [Sample.of(c, seed=s) for c, s in zip(out, seeds)]
                                 verdict = validate_batch(samples, prefill, declared, prefill_samples=8)
@@ -152,6 +269,11 @@ def main() -> int:
                                 row["rejected_batches"] += int(not verdict.accepted)
                                 if not verdict.accepted:
                                     row.setdefault("reasons", []).extend(verdict.reasons(4))
+                                if base_prefill is not None:
+                                    adapted, original = (_token_logprobs(p, samples) for p in (prefill, base_prefill))
+                                    shifts.setdefault(dtype, []).extend(
+                                        np.abs(a - b) for a, b in zip(adapted, original)
+                                    )
                                 for s, sample in zip(verdict.samples, samples):
                                     sampling, replay = s.numbers("sampling"), s.numbers("replay")
                                     n = int(sampling.get("tokens", len(sample.completion_tokens)))
@@ -163,7 +285,10 @@ def main() -> int:
                                         signed = abs(sampling["mean_signed_logprob_diff"]) * temperature
                                         bucket = worst["signed_mean_by_length"]
                                         bucket[_bucket(n)] = max(bucket[_bucket(n)], signed)
-                                        old = tolerance.mean_signed_logprob_diff * n + tolerance.logprob_diff_allowance
+                                        old = (
+                                            default_tolerance.mean_signed_logprob_diff * n
+                                            + default_tolerance.logprob_diff_allowance
+                                        )
                                         old_rule += int(signed * n > old)
                                     if replay:
                                         worst["replay_gap_of_margin"] = max(
@@ -179,9 +304,22 @@ def main() -> int:
                                         worst["batch_near_tie_budget_used"],
                                         ties.numbers["near_tie_cost"] / ties.numbers["near_tie_budget"],
                                     )
+                                    if dtype == calibrated_dtype and verdict.accepted:  # the orchestrator's ledger
+                                        cost = book["cost"] + ties.numbers["near_tie_cost"]
+                                        tokens = book["tokens"] + int(ties.numbers["tokens"])
+                                        allowance = ledger["near_tie_rate"] * tokens + ledger.get("near_tie_slack", 2.0)
+                                        book["worst_share_of_allowance"] = max(
+                                            book["worst_share_of_allowance"], cost / allowance
+                                        )
+                                        if cost > allowance:
+                                            book["strikes"] += 1
+                                        else:
+                                            book["cost"], book["tokens"] = cost, tokens
                             settings.append(row)
                 finally:
                     engine.close()
+            if dtype == calibrated_dtype:
+                ledgers[dtype] = {k: round(v, 4) if isinstance(v, float) else v for k, v in book.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lengths_seen = np.asarray(completion_lengths)
@@ -204,6 +342,22 @@ def main() -> int:
         "old_signed_bound_rejections": old_rule,
         "seconds": round(time.monotonic() - started, 1),
     }
+    if calibrated is not None:
+        report["calibration"] = {"file": str(args.calibration), "dtype": calibrated_dtype}
+        report["calibration"] |= {"tolerance": dataclasses.asdict(calibrated), "orchestrator": ledger}
+        report["calibration"]["ledger_kept"] = ledgers.get(calibrated_dtype)
+    if shifts:
+        report["adapter_logprob_shift_T1"] = {}
+        for dtype, parts in shifts.items():
+            d = np.concatenate(parts)
+            report["adapter_logprob_shift_T1"][dtype] = {
+                "tokens": int(d.size),
+                "mean": round(float(d.mean()), 4),
+                "median": round(float(np.median(d)), 4),
+                "p90": round(float(np.quantile(d, 0.9)), 4),
+                "max": round(float(d.max()), 4),
+                "share_over_0.1": round(float((d > 0.1).mean()), 4),
+            }
     print(json.dumps(report, indent=1))
     return 0
 
