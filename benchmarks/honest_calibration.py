@@ -15,6 +15,8 @@ the samples the former signed-mean bound (no token forgiven) would have rejected
 
     .venv/bin/python benchmarks/honest_calibration.py --lengths 1:16,2:16,3:8,6:8,24:8,96:4,512:4
     .venv/bin/python benchmarks/honest_calibration.py --model runs/smollm2-135m --lengths 1:32,2:32,3:16,...
+    .venv/bin/python benchmarks/honest_calibration.py --model BASE --adapter ADAPTER --dtypes bfloat16 \
+        --calibration CALIBRATION.toml --temperatures 1.0 --top-ps 1.0 --lengths 1:128,2:128,3:64,...
 
 With `--model`, the one policy is that checkpoint (e.g. SmolLM2-135M-Instruct from `intellect import-gguf`), its
 prompts arithmetic questions in its chat template. With `--adapter DIR` as well (a PEFT adapter version on that
