@@ -4,7 +4,10 @@
     adapter_model.safetensors   every lora_A [rank, in] / lora_B [out, rank] under PEFT's names, one file
     manifest.json               version, base_model_digest (`bridge.weights.model_digest` of the base), optional
                                 base_version (the full version it applies to, when it is shipped by SHARDCAST
-                                in its place), and the size, sha256 and part sha256s of each file
+                                in its place), and the size, sha256 and part sha256s of each file; when
+                                shipped so, `deltas` as a full version's (`bridge.shardcast.delta`: against
+                                older adapter versions of the same dtype, where they save half the bytes)
+    *.xzst                      those delta files of adapter_model.safetensors
     STABLE                      written last
 
 transformers + PEFT (`PeftModel.from_pretrained(base, dir)`) and vLLM (`LoRARequest(name, id, dir)`) load the
@@ -128,13 +131,19 @@ def write_adapter(
     dtype="float32",
     writer: bool = True,
     base_version: int | None = None,
+    delta_bases: Sequence[tuple[int, Path]] | None = None,
 ) -> ExportResult | None:
     """Write an adapter version at `out_dir` (module docstring). `host_value(spec)` is the tensor of `spec` in
     PEFT's layout and `dtype`, called once per spec, in order, on every process; only the `writer` writes. The
     directory appears whole (written under a temporary name, then renamed) and is never overwritten.
     `base_version`: the full version of the same SHARDCAST directory the adapter applies to (its manifest's
-    `base_version`, which relays and workers keep beside it)."""
+    `base_version`, which relays and workers keep beside it). `delta_bases`: as `bridge.weights.write_version`'s
+    (None: for an adapter shipped in a full version's place, `base_version` given, in a directory named for its
+    version, the previous version and the newest anchor beside it; else none); only an older adapter's
+    `adapter_model.safetensors` of the same dtype and shapes is a base for a delta."""
+    from bridge.shardcast import delta
     from bridge.shardcast.manifest import PART_SIZE, hash_file_parts
+    from bridge.shardcast.names import version_dirname
 
     out_dir = Path(out_dir)
     np_dtype = resolve_dtype(dtype)
@@ -175,6 +184,10 @@ def write_adapter(
             "total_size": sum(e["size"] for e in files),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
+        if delta_bases is None and base_version is not None and out_dir.name == version_dirname(version):
+            delta_bases = delta.delta_bases(out_dir.parent, int(version))
+        if delta_bases:
+            manifest["deltas"] = delta.write_deltas(tmp, manifest["files"], delta_bases)
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():  # an incomplete leftover (no STABLE): replace it
             shutil.rmtree(out_dir)
