@@ -3,14 +3,17 @@
 `OrchestratorProcess` starts `intellect orchestrator` as a child process on this machine and waits until it
 answers; it runs exactly as a user starts it: `python -m intellect orchestrator`. `S3Server` starts moto's S3
 API server (`python -m moto.server`) on 127.0.0.1 with IAM enforced: a bucket and one user per role with that
-role's permissions. `free_port` is the launcher's."""
+role's permissions. `Served` runs a SHARDCAST server coroutine (origin or relay) on 127.0.0.1 in a thread.
+`free_port` is the launcher's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -211,3 +214,32 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(15)
+
+
+class Served:
+    """A SHARDCAST server coroutine run on its own event loop in a thread, until `close()`."""
+
+    def __init__(self, serve, *args, **kw):
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.url = ""
+
+        def ready(url: str) -> None:
+            self.url = url
+            started.set()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.task = self.loop.create_task(serve(*args, host="127.0.0.1", port=0, ready=ready, **kw))
+            try:
+                self.loop.run_until_complete(self.task)
+            except asyncio.CancelledError:
+                pass
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert started.wait(10), "server did not start"
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(10)

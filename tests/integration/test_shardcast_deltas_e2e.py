@@ -28,35 +28,7 @@ from bridge.shardcast.server import ShardcastServer
 pytest.importorskip("zstandard")
 
 from delta_versions import initial, publish, safetensors_bytes, step  # noqa: E402
-
-
-class Served:
-    """A SHARDCAST server coroutine run on its own event loop in a thread, until `close()`."""
-
-    def __init__(self, serve, *args, **kw):
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.url = ""
-
-        def ready(url: str) -> None:
-            self.url = url
-            started.set()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.task = self.loop.create_task(serve(*args, host="127.0.0.1", port=0, ready=ready, **kw))
-            try:
-                self.loop.run_until_complete(self.task)
-            except asyncio.CancelledError:
-                pass
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(10), "server did not start"
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(10)
+from helpers import Served  # noqa: E402
 
 
 @pytest.fixture

@@ -8,15 +8,14 @@ is compared byte for byte with what the learner wrote.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import Served
 
 from bridge.adapters import A_SUFFIX, B_SUFFIX, PEFT_PREFIX, WEIGHTS_FILE, verify_adapter, write_adapter
 from bridge.shardcast import ShardcastClient, delta
@@ -136,35 +135,6 @@ def test_a_step_that_moves_every_value_gets_no_delta(tmp_path):
     assert not list((root / "v000002").glob("*.xzst"))
 
 
-class Origin:
-    """`serve_origin` of `root` on its own event loop in a thread, until `close()`."""
-
-    def __init__(self, root: Path):
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-        self.url = ""
-
-        def ready(url: str) -> None:
-            self.url = url
-            started.set()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.task = self.loop.create_task(serve_origin(root, host="127.0.0.1", port=0, ready=ready))
-            try:
-                self.loop.run_until_complete(self.task)
-            except asyncio.CancelledError:
-                pass
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(10), "origin did not start"
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.task.cancel)
-        self.thread.join(10)
-
-
 def client(url: str) -> ShardcastClient:
     return ShardcastClient([url], timeout=5.0, patience=5.0, part_bytes=256 << 10, fsync=False, direct_io=False)
 
@@ -176,7 +146,7 @@ def test_a_client_holding_the_previous_adapter_rebuilds_the_next_from_its_delta(
     published = {
         v: {p.name: p.read_bytes() for p in (root / f"v{v:06d}").iterdir() if p.suffix != ".xzst"} for v in (1, 2, 3)
     }
-    origin = Origin(root)
+    origin = Served(serve_origin, root)
     try:
         out = tmp_path / "worker"
         client(origin.url).fetch(0, out)
